@@ -1,0 +1,123 @@
+"""The whole idemq exception tree.
+
+Every error idemq raises on purpose derives from :class:`IdemqError`, so one ``except`` clause
+catches them all. Driver errors (psycopg, PyMySQL, redis-py, broker clients) never escape the
+public API: they are translated at the boundary and kept as ``__cause__``.
+
+::
+
+    IdemqError
+    ├── InvalidInputError (ValueError)          bad input from a caller or a message
+    │   ├── InvalidMessageIdError               id missing, not str, empty, > 128 chars, NUL …
+    │   ├── InvalidBusinessIdError              business id not str, empty or > 64 chars
+    │   ├── InvalidMessageError                 undecodable or malformed message body
+    │   └── ResultNotSerializableError (TypeError)  handler result is not JSON-serializable
+    ├── PayloadMismatchError                    same id seen before with another payload
+    ├── ConfigurationError                      a mistake in how idemq was set up
+    ├── StoreError                              the dedup store failed
+    │   └── StoreUnavailableError               … because it could not be reached or timed out
+    ├── LeaseLostError                          a lease expired and another worker took over
+    ├── LockError
+    │   └── LockNotOwnedError                   release/extend of a lock this owner no longer holds
+    └── ClockMovedBackwardsError                the wall clock stepped back past the tolerated drift
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClockMovedBackwardsError",
+    "ConfigurationError",
+    "IdemqError",
+    "InvalidBusinessIdError",
+    "InvalidInputError",
+    "InvalidMessageError",
+    "InvalidMessageIdError",
+    "LeaseLostError",
+    "LockError",
+    "LockNotOwnedError",
+    "PayloadMismatchError",
+    "ResultNotSerializableError",
+    "StoreError",
+    "StoreUnavailableError",
+]
+
+
+class IdemqError(Exception):
+    """Root of every error idemq raises on purpose."""
+
+
+class InvalidInputError(IdemqError, ValueError):
+    """A value handed to idemq (by a caller or inside a message) cannot be used."""
+
+
+class InvalidMessageIdError(InvalidInputError):
+    """The message id is missing, not a ``str``, empty, longer than 128 characters or unstorable.
+
+    Raised before anything is written, so the message can be dead-lettered with this reason.
+    """
+
+
+class InvalidBusinessIdError(InvalidInputError):
+    """The business id is not a ``str``, is empty or is longer than 64 characters."""
+
+
+class InvalidMessageError(InvalidInputError):
+    """A message body cannot be decoded or lacks what the handler needs."""
+
+
+class ResultNotSerializableError(InvalidInputError, TypeError):
+    """The handler returned a value that cannot be stored as JSON for replay."""
+
+
+class PayloadMismatchError(IdemqError):
+    """The same message id was seen before with a different payload.
+
+    Usually a producer bug (an id reused for another message); processing it would silently drop
+    the second message's effect, so idemq refuses instead.
+    """
+
+    def __init__(self, message_id: str, stored_hash: str, given_hash: str) -> None:
+        super().__init__(
+            f"message id {message_id!r} was first seen with payload sha256 {stored_hash[:12]}…, "
+            f"now with {given_hash[:12]}…"
+        )
+        self.message_id = message_id
+        self.stored_hash = stored_hash
+        self.given_hash = given_hash
+
+
+class ConfigurationError(IdemqError):
+    """idemq was set up in a way that cannot work (unknown mode, bad URL, bad identifier …)."""
+
+
+class StoreError(IdemqError):
+    """The dedup store failed to answer as expected."""
+
+
+class StoreUnavailableError(StoreError):
+    """The dedup store could not be reached, or the operation timed out.
+
+    Nothing was acknowledged: the message must be retried (nack/requeue) once the store is back.
+    """
+
+
+class LeaseLostError(IdemqError):
+    """The lease on a message ran out and another worker claimed it; this worker's
+    ``complete`` was refused so its late result cannot overwrite the new owner's."""
+
+
+class LockError(IdemqError):
+    """Base class of distributed-lock errors."""
+
+
+class LockNotOwnedError(LockError):
+    """Release or extend of a lock that this owner no longer holds (expired or taken over)."""
+
+
+class ClockMovedBackwardsError(IdemqError):
+    """The wall clock moved backwards further than the generator's tolerance."""
+
+    def __init__(self, last_ms: int, now_ms: int) -> None:
+        super().__init__(f"clock moved backwards by {last_ms - now_ms} ms (last id at {last_ms})")
+        self.last_ms = last_ms
+        self.now_ms = now_ms

@@ -1,0 +1,198 @@
+"""What a dedup store is: a few small primitives, each atomic on the server.
+
+Everything else (validation, hashing, JSON, units, the decision of what a claim means) lives once,
+in :mod:`idemq.core`. A backend only has to answer these questions atomically:
+
+* ``claim``     — insert the record as PROCESSING for ``owner`` until ``now + lease``; if a record
+  exists and is PROCESSING with an expired lease, take it over; otherwise hand back the record.
+* ``complete``  — PROCESSING → PROCESSED with the result, only if ``owner`` still holds it.
+* ``release``   — delete the PROCESSING record, only if ``owner`` still holds it (so it can be retried).
+
+A :class:`TransactionalStore` (SQL) adds the same-transaction flavour: the claim is written as
+PROCESSED inside the caller's transaction, so it commits or rolls back with the business change.
+
+Times: every ``*_ms`` is integer epoch milliseconds from the guard's injected clock, so leases are
+tested with a fake clock instead of ``sleep``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "DEFAULT_CONSUMER",
+    "AsyncStore",
+    "AsyncTransactionalStore",
+    "Claim",
+    "ClaimRequest",
+    "Key",
+    "Record",
+    "RecordStatus",
+    "Store",
+    "TransactionalStore",
+]
+
+DEFAULT_CONSUMER = "default"
+
+
+class RecordStatus(enum.IntEnum):
+    """The ``status`` column of ``message_idempotent`` (values fixed by the seed table)."""
+
+    PROCESSING = 0
+    PROCESSED = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """A record's identity: message ids are scoped per consumer."""
+
+    consumer: str
+    message_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """Everything a store needs to claim one message; built (and validated) by :mod:`idemq.core`."""
+
+    key: Key
+    business_id: str | None
+    payload_hash: str | None
+    owner: str
+    now_ms: int
+    lease_ms: int
+
+    @property
+    def lease_until_ms(self) -> int:
+        return self.now_ms + self.lease_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One row of ``message_idempotent`` (or its Redis/memory equivalent)."""
+
+    consumer: str
+    message_id: str
+    status: RecordStatus
+    business_id: str | None = None
+    payload_hash: str | None = None
+    result: str | None = None  # JSON text; None until PROCESSED
+    owner: str | None = None
+    lease_until_ms: int | None = None
+    attempts: int = 1
+    created_time: datetime | None = None  # aware UTC
+    processed_time: datetime | None = None  # aware UTC
+
+    @property
+    def key(self) -> Key:
+        return Key(self.consumer, self.message_id)
+
+    def lease_expired(self, now_ms: int) -> bool:
+        return self.lease_until_ms is not None and self.lease_until_ms <= now_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The answer to a claim: either this owner now holds the message, or here is who does."""
+
+    acquired: bool
+    record: Record | None = None  # the existing record when not acquired
+
+    @classmethod
+    def won(cls) -> Claim:
+        return _WON
+
+    @classmethod
+    def lost_to(cls, record: Record) -> Claim:
+        return cls(acquired=False, record=record)
+
+
+_WON = Claim(acquired=True)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Lease-mode primitives (every store has them)."""
+
+    def claim(self, request: ClaimRequest) -> Claim: ...
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
+
+    def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
+        """Mark PROCESSED; raise :class:`~idemq.LeaseLostError` if ``owner`` lost the lease."""
+
+    def release(self, key: Key, owner: str) -> None:
+        """Delete the PROCESSING record if ``owner`` still holds it; otherwise do nothing."""
+
+    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None: ...
+
+    def find(self, message_id: str) -> list[Record]:
+        """Every consumer's record of ``message_id`` (for inspection)."""
+
+    def in_progress(self, *, limit: int = 100) -> list[Record]:
+        """PROCESSING records, oldest first (stuck leases are the expired ones)."""
+
+    def purge(self, older_than: timedelta, *, batch_size: int = 1000) -> int:
+        """Delete PROCESSED records older than ``older_than`` in bounded batches; return count."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class TransactionalStore(Store, Protocol):
+    """A store whose dedup row can share a transaction with the business change (SQL)."""
+
+    def transaction(self, connection: Any = None) -> AbstractContextManager[Any]:
+        """Open (or join, via a savepoint) a transaction and yield the connection to write through."""
+
+    def claim_in(self, tx: Any, request: ClaimRequest) -> Claim:
+        """Insert the record as PROCESSED inside ``tx``; a concurrent twin waits on the row lock."""
+
+    def claim_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
+
+    def save_result_in(self, tx: Any, key: Key, result: str) -> None: ...
+
+    def savepoint(self, tx: Any) -> AbstractContextManager[Any]: ...
+
+
+@runtime_checkable
+class AsyncStore(Protocol):
+    """Async twin of :class:`Store`: same primitives, awaited."""
+
+    async def claim(self, request: ClaimRequest) -> Claim: ...
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
+
+    async def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None: ...
+
+    async def release(self, key: Key, owner: str) -> None: ...
+
+    async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None: ...
+
+    async def find(self, message_id: str) -> list[Record]: ...
+
+    async def in_progress(self, *, limit: int = 100) -> list[Record]: ...
+
+    async def purge(self, older_than: timedelta, *, batch_size: int = 1000) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncTransactionalStore(AsyncStore, Protocol):
+    """Async twin of :class:`TransactionalStore`."""
+
+    def transaction(self, connection: Any = None) -> AbstractAsyncContextManager[Any]: ...
+
+    async def claim_in(self, tx: Any, request: ClaimRequest) -> Claim: ...
+
+    async def claim_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
+
+    async def save_result_in(self, tx: Any, key: Key, result: str) -> None: ...
+
+    def savepoint(self, tx: Any) -> AbstractAsyncContextManager[Any]: ...
+
