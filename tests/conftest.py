@@ -1,0 +1,96 @@
+"""Shared fixtures: real services, found by port.
+
+A test that needs a service skips when the service is unreachable on a developer's machine, and
+**fails** when ``CI=true`` — a green CI run must never hide a service that did not start.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+SERVICES: dict[str, tuple[str, int]] = {
+    "postgres": ("127.0.0.1", 5432),
+    "mysql": ("127.0.0.1", 3306),
+    "redis": ("127.0.0.1", 6379),
+    "rabbitmq": ("127.0.0.1", 5672),
+    "mqtt": ("127.0.0.1", 1883),
+    "nats": ("127.0.0.1", 4222),
+}
+
+PG_URL = os.environ.get("IDEMQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+MYSQL_URL = os.environ.get("IDEMQ_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test")
+REDIS_URL = os.environ.get("IDEMQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(name: str) -> None:
+    """Skip (locally) or fail (under CI=true) when ``name`` is not reachable."""
+    host, port = SERVICES[name]
+    if port_open(host, port):
+        return
+    message = f"{name} is not reachable at {host}:{port}"
+    if CI:
+        pytest.fail(f"{message} (CI=true: a missing service is a failure, not a skip)")
+    pytest.skip(message)
+
+
+def unique(prefix: str = "t") -> str:
+    """A short unique name for tables/consumers so concurrent test runs never collide."""
+    return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'idemq.db'}"
+
+
+@pytest.fixture
+def pg_url() -> str:
+    require_service("postgres")
+    return PG_URL
+
+
+@pytest.fixture
+def mysql_url() -> str:
+    require_service("mysql")
+    return MYSQL_URL
+
+
+@pytest.fixture
+def redis_url() -> str:
+    require_service("redis")
+    return REDIS_URL
+
+
+SQL_BACKENDS = ["sqlite", "postgres", "mysql"]
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each SQL backend in turn: SQLite (a temp file), PostgreSQL, MariaDB."""
+    backend: str = request.param
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'idemq.db'}"
+    require_service(backend)
+    return PG_URL if backend == "postgres" else MYSQL_URL
+
+
+@pytest.fixture
+def table_name() -> Iterator[str]:
+    """A unique dedup-table name for one test (dropped by the store fixtures that create it)."""
+    yield unique("mi")
