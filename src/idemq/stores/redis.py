@@ -1,0 +1,270 @@
+"""Redis lease store: :class:`RedisStore` and :class:`AsyncRedisStore`.
+
+For consumers whose effect is not in one SQL database (an HTTP call, another service). A claim
+is the seed's "lock + processed?" in **one** atomic Lua call — so no separate lock is needed —
+and a duplicate gets the stored record back from that same call::
+
+    claim     absent            → PROCESSING(owner, lease_until)          won
+              PROCESSING, live  → the record                              lost (IN_PROGRESS)
+              PROCESSING, expired lease, same payload → new owner, a += 1 won (takeover)
+              PROCESSED         → the record with its result              lost (DUPLICATE)
+    complete  PROCESSING(owner) → PROCESSED(result), PEXPIRE ttl          else LeaseLostError
+    release   PROCESSING(owner) → deleted                                 else no-op
+
+Lease expiry is judged on the guard's clock (``now_ms``/``lease_until_ms`` in the request), so
+the fake-clock contract tests run unchanged on SQL and Redis. Across hosts that makes the lease
+as good as the workers' clock agreement: keep ``lease_s`` well above the expected skew.
+
+Both classes are thin shells: the scripts live in :mod:`.redis_scripts`, the operations (key
+layout, arguments, reply parsing, SCAN loops) in :mod:`.redis_ops`; a shell only executes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import redis
+import redis.asyncio
+from redis import exceptions as rx
+
+from idemq.core import Clock, system_clock_ms
+from idemq.errors import ConfigurationError
+from idemq.stores import redis_ops as ops
+from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record
+from idemq.stores.redis_io import (
+    Batch,
+    Call,
+    RunScript,
+    Step,
+    adrive,
+    check_url,
+    describe_server,
+    drive,
+    redact_url,
+    translate_error,
+)
+from idemq.stores.redis_scripts import ALL_SCRIPTS
+
+__all__ = ["DEFAULT_TTL_S", "AsyncRedisStore", "RedisStore"]
+
+DEFAULT_TTL_S = 86_400.0
+"""How long a PROCESSED record is kept (and so how long a duplicate is recognised): one day."""
+
+DEFAULT_SOCKET_TIMEOUT_S = 5.0
+"""For clients idemq builds from a URL: a hung server becomes StoreUnavailableError, not a hang."""
+
+
+def _from_url(factory: Any, url: str, socket_timeout_s: float) -> Any:
+    check_url(url)
+    try:
+        return factory(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        )
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid Redis URL {redact_url(url)}: {exc}") from exc
+
+
+class RedisStore:
+    """Lease-mode dedup store on Redis (one hash per record, one Lua round trip per primitive).
+
+    ``client_or_url``: a ``redis.Redis`` (shared, not closed by :meth:`close`) or a
+    ``redis://``/``rediss://``/``unix://`` URL (the store owns that client). ``ttl_s``: how long a
+    PROCESSED record — and so duplicate detection — lasts. ``prefix``: key namespace.
+    ``clock``: epoch-ms clock used by :meth:`purge` only; leases use the guard's clock.
+    """
+
+    def __init__(
+        self,
+        client_or_url: redis.Redis | str,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        prefix: str = "idemq",
+        clock: Clock | None = None,
+        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+    ) -> None:
+        self._layout = ops.Layout.build(prefix, ttl_s)
+        self._clock = clock or system_clock_ms
+        if isinstance(client_or_url, str):
+            self._client: redis.Redis = _from_url(
+                redis.Redis.from_url, client_or_url, socket_timeout_s
+            )
+            self._owns_client = True
+        elif isinstance(client_or_url, redis.Redis):
+            self._client = client_or_url
+            self._owns_client = False
+        else:
+            raise ConfigurationError(
+                f"RedisStore needs a redis.Redis or a URL, got {type(client_or_url).__name__}"
+            )
+        self._server = describe_server(self._client.connection_pool.connection_kwargs)
+        self._command: Any = self._client.execute_command  # untyped in redis-py
+        # register_script only hashes the source: the first EVALSHA loads it (and reloads it
+        # after a restart wiped the server's script cache).
+        self._scripts = {s.name: self._client.register_script(s.source) for s in ALL_SCRIPTS}
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._server}, prefix={self._layout.prefix!r})"
+
+    @property
+    def client(self) -> redis.Redis:
+        """The underlying redis-py client (for tests and ops)."""
+        return self._client
+
+    def _execute(self, step: Step) -> Any:
+        try:
+            if isinstance(step, RunScript):
+                return self._scripts[step.script.name](keys=step.keys, args=step.args)
+            if isinstance(step, Call):
+                return self._command(*step.args)
+            if isinstance(step, Batch):
+                pipe: Any = self._client.pipeline(transaction=False)  # redis-py leaves it untyped
+                for call in step.calls:
+                    pipe.execute_command(*call)
+                return pipe.execute()
+        except rx.RedisError as exc:
+            raise translate_error(exc, _action(step), self._server) from exc
+        raise TypeError(f"RedisStore cannot execute {step!r}")
+
+    def claim(self, request: ClaimRequest) -> Claim:
+        """Claim one message (one round trip); see the module docstring for the outcomes."""
+        return drive(ops.claim(self._layout, request), self._execute)
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim a batch in one Lua call; the answers come back in order."""
+        return drive(ops.claim_many(self._layout, requests), self._execute)
+
+    def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
+        """PROCESSING → PROCESSED; raises :class:`~idemq.LeaseLostError` if ``owner`` lost it."""
+        drive(ops.complete(self._layout, key, owner, result, now_ms), self._execute)
+
+    def release(self, key: Key, owner: str) -> None:
+        """Delete ``owner``'s PROCESSING record so the message can be retried; else no-op."""
+        drive(ops.release(self._layout, key, owner), self._execute)
+
+    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        """The record of ``message_id`` for ``consumer``, or ``None``."""
+        return drive(ops.get(self._layout, Key(consumer, message_id)), self._execute)
+
+    def find(self, message_id: str) -> list[Record]:
+        """Every consumer's record of ``message_id`` (SCAN: for inspection, not hot paths)."""
+        return drive(ops.find(self._layout, message_id), self._execute)
+
+    def in_progress(self, *, limit: int = 100) -> list[Record]:
+        """PROCESSING records, oldest first (SCAN over the prefix: for ops use)."""
+        return drive(ops.in_progress(self._layout, limit), self._execute)
+
+    def purge(self, older_than: timedelta, *, batch_size: int = 1000) -> int:
+        """Delete PROCESSED records older than ``older_than`` now (they also expire by ttl)."""
+        cutoff_ms = self._clock() - older_than // timedelta(milliseconds=1)
+        return drive(ops.purge(self._layout, cutoff_ms, batch_size), self._execute)
+
+    def close(self) -> None:
+        """Close the client if this store created it from a URL."""
+        if self._owns_client:
+            self._client.close()
+
+
+class AsyncRedisStore:
+    """Async twin of :class:`RedisStore` (``redis.asyncio.Redis`` or a URL); same primitives."""
+
+    def __init__(
+        self,
+        client_or_url: redis.asyncio.Redis | str,
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        prefix: str = "idemq",
+        clock: Clock | None = None,
+        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+    ) -> None:
+        self._layout = ops.Layout.build(prefix, ttl_s)
+        self._clock = clock or system_clock_ms
+        if isinstance(client_or_url, str):
+            self._client: redis.asyncio.Redis = _from_url(
+                redis.asyncio.Redis.from_url, client_or_url, socket_timeout_s
+            )
+            self._owns_client = True
+        elif isinstance(client_or_url, redis.asyncio.Redis):
+            self._client = client_or_url
+            self._owns_client = False
+        else:
+            raise ConfigurationError(
+                "AsyncRedisStore needs a redis.asyncio.Redis or a URL, "
+                f"got {type(client_or_url).__name__}"
+            )
+        self._server = describe_server(self._client.connection_pool.connection_kwargs)
+        self._command: Any = self._client.execute_command  # untyped in redis-py
+        self._scripts = {s.name: self._client.register_script(s.source) for s in ALL_SCRIPTS}
+
+    def __repr__(self) -> str:
+        return f"AsyncRedisStore({self._server}, prefix={self._layout.prefix!r})"
+
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        """The underlying redis-py asyncio client (for tests and ops)."""
+        return self._client
+
+    async def _execute(self, step: Step) -> Any:
+        try:
+            if isinstance(step, RunScript):
+                return await self._scripts[step.script.name](keys=step.keys, args=step.args)
+            if isinstance(step, Call):
+                return await self._command(*step.args)
+            if isinstance(step, Batch):
+                pipe: Any
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for call in step.calls:
+                        pipe.execute_command(*call)
+                    return await pipe.execute()
+        except rx.RedisError as exc:
+            raise translate_error(exc, _action(step), self._server) from exc
+        raise TypeError(f"AsyncRedisStore cannot execute {step!r}")
+
+    async def claim(self, request: ClaimRequest) -> Claim:
+        """See :meth:`RedisStore.claim`."""
+        return await adrive(ops.claim(self._layout, request), self._execute)
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """See :meth:`RedisStore.claim_many`."""
+        return await adrive(ops.claim_many(self._layout, requests), self._execute)
+
+    async def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
+        """See :meth:`RedisStore.complete`."""
+        await adrive(ops.complete(self._layout, key, owner, result, now_ms), self._execute)
+
+    async def release(self, key: Key, owner: str) -> None:
+        """See :meth:`RedisStore.release`."""
+        await adrive(ops.release(self._layout, key, owner), self._execute)
+
+    async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        """See :meth:`RedisStore.get`."""
+        return await adrive(ops.get(self._layout, Key(consumer, message_id)), self._execute)
+
+    async def find(self, message_id: str) -> list[Record]:
+        """See :meth:`RedisStore.find`."""
+        return await adrive(ops.find(self._layout, message_id), self._execute)
+
+    async def in_progress(self, *, limit: int = 100) -> list[Record]:
+        """See :meth:`RedisStore.in_progress`."""
+        return await adrive(ops.in_progress(self._layout, limit), self._execute)
+
+    async def purge(self, older_than: timedelta, *, batch_size: int = 1000) -> int:
+        """See :meth:`RedisStore.purge`."""
+        cutoff_ms = self._clock() - older_than // timedelta(milliseconds=1)
+        return await adrive(ops.purge(self._layout, cutoff_ms, batch_size), self._execute)
+
+    async def close(self) -> None:
+        """Close the client if this store created it from a URL."""
+        if self._owns_client:
+            await self._client.aclose()
+
+
+def _action(step: Step) -> str:
+    if isinstance(step, RunScript):
+        return step.script.name
+    if isinstance(step, Call):
+        return str(step.args[0])
+    if isinstance(step, Batch):
+        return f"pipeline of {len(step.calls)}"
+    return type(step).__name__

@@ -1,0 +1,172 @@
+"""Sans-I/O plumbing shared by every Redis-backed object (stores and locks), sync and async.
+
+Each operation is written **once** as a generator that yields :data:`Step` values (run a Lua
+script, send a command, send a pipeline, pause) and receives the replies. The sync and async
+shells only *execute* steps — :func:`drive` and :func:`adrive` feed the replies back — so the
+logic of a SCAN loop or a blocking lock acquire cannot drift between the two twins.
+
+Errors: redis-py exceptions are translated here, at the boundary, into
+:class:`~idemq.errors.StoreUnavailableError` (cannot reach / timed out / failover in progress)
+or :class:`~idemq.errors.StoreError` (anything else), always ``from exc``. Messages name the
+server as ``host:port/db`` — never the URL, so a password in it cannot leak into a log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from redis import exceptions as rx
+
+from idemq.errors import ConfigurationError, StoreError, StoreUnavailableError
+
+__all__ = [
+    "Batch",
+    "Call",
+    "LuaScript",
+    "Op",
+    "Pause",
+    "RunScript",
+    "Step",
+    "adrive",
+    "describe_server",
+    "drive",
+    "redact_url",
+    "text",
+    "translate_error",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class LuaScript:
+    """A Lua script's source and the name its shell registers it under (EVALSHA, loaded once)."""
+
+    name: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunScript:
+    """Run a registered :class:`LuaScript` (one round trip); the reply is the script's return."""
+
+    script: LuaScript
+    keys: Sequence[str | bytes]
+    args: Sequence[str | bytes | int]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One plain command, e.g. ``("SCAN", 0, "MATCH", pattern)``; replies parsed by redis-py."""
+
+    args: tuple[str | bytes | int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Several commands in one pipelined round trip (no MULTI: each reply is independent)."""
+
+    calls: tuple[tuple[str | bytes | int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Sleep (``time.sleep`` / ``asyncio.sleep``) — only the lock's polling uses it."""
+
+    seconds: float
+
+
+Step = RunScript | Call | Batch | Pause
+Op = Generator[Step, Any, T]
+"""An operation: yields steps, receives each step's reply, returns its result."""
+
+
+def drive(op: Op[T], execute: Callable[[Step], Any]) -> T:
+    """Run ``op`` to completion, executing each step synchronously."""
+    try:
+        step = next(op)
+        while True:
+            step = op.send(execute(step))
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
+
+
+async def adrive(op: Op[T], execute: Callable[[Step], Awaitable[Any]]) -> T:
+    """Async twin of :func:`drive`: the same generator, each step awaited."""
+    try:
+        step = next(op)
+        while True:
+            step = op.send(await execute(step))
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
+
+
+def text(value: bytes | str) -> str:
+    """A reply value as ``str`` whether the client decodes responses or not.
+
+    ``surrogatepass`` mirrors how idemq encodes what it writes, so any ``str`` round-trips.
+    """
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogatepass")
+    return value
+
+
+# Server-side states in which the command did not run and will succeed after a failover or
+# restart: the caller must retry the message later, exactly like a refused connection.
+_UNAVAILABLE_REPLIES = (
+    "LOADING",
+    "READONLY",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "MOVED",
+    "ASK",
+    "NOREPLICAS",
+    "BUSY",
+    "NOSCRIPT",
+)
+
+
+def translate_error(exc: rx.RedisError, action: str, server: str) -> StoreError:
+    """The idemq error for a redis-py failure of ``action`` on ``server``; raise it ``from exc``."""
+    reason = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, rx.ConnectionError | rx.TimeoutError):  # BusyLoadingError included
+        return StoreUnavailableError(f"redis {server} unavailable during {action} ({reason})")
+    if isinstance(exc, rx.ResponseError) and str(exc).startswith(_UNAVAILABLE_REPLIES):
+        return StoreUnavailableError(f"redis {server} not serving {action} ({reason})")
+    return StoreError(f"redis {server} failed {action} ({reason})")
+
+
+def describe_server(connection_kwargs: Mapping[str, Any]) -> str:
+    """``host:port/db`` (or the socket path) of a client — never its password."""
+    if connection_kwargs.get("path"):
+        return f"unix:{connection_kwargs['path']}/{connection_kwargs.get('db', 0)}"
+    host = connection_kwargs.get("host", "localhost")
+    port = connection_kwargs.get("port", 6379)
+    return f"{host}:{port}/{connection_kwargs.get('db', 0)}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any user and password replaced by ``***`` (for error messages)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable redis URL>"
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"***@{host}").geturl()
+
+
+def check_url(url: str) -> None:
+    """Raise :class:`ConfigurationError` unless ``url`` looks like a Redis URL."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in {"redis", "rediss", "unix"}:
+        raise ConfigurationError(
+            f"not a Redis URL (redis://, rediss:// or unix://): {redact_url(url)}"
+        )

@@ -1,0 +1,243 @@
+"""Everything :class:`~idemq.RedisStore` does, written once as sans-I/O operations.
+
+Key layout — one hash per record, ``<prefix>:{<consumer>:<message_id>}``, both parts
+percent-encoded. Why encode: message ids are arbitrary text. A raw ``}`` would end the Cluster
+hash tag early, a raw ``:`` would make ``("a:b", "c")`` and ``("a", "b:c")`` the same key, and a
+raw ``*``/``?``/``[`` would turn :meth:`find`'s SCAN pattern into a wildcard that reads (or a
+purge that deletes) other messages' records. After encoding, a key part holds only
+``[A-Za-z0-9_.~-]`` and ``%XX``, so it is exact, reversible and glob-inert; patterns are
+glob-escaped anyway as a second line of defence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import quote, unquote
+
+from idemq.errors import ConfigurationError, LeaseLostError, StoreError
+from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
+from idemq.stores.redis_io import Batch, Call, Op, RunScript, text
+from idemq.stores.redis_scripts import CLAIM, CLAIM_MANY, COMPLETE, PURGE, RELEASE
+
+__all__ = [
+    "Layout",
+    "claim",
+    "claim_many",
+    "complete",
+    "find",
+    "get",
+    "glob_escape",
+    "in_progress",
+    "parse_record",
+    "purge",
+    "release",
+]
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_SCAN_COUNT = 1000
+_GLOB_SPECIALS = frozenset("*?[]\\")
+
+
+def glob_escape(value: str) -> str:
+    """``value`` as a literal inside a Redis MATCH pattern."""
+    return "".join("\\" + ch if ch in _GLOB_SPECIALS else ch for ch in value)
+
+
+def _encode_part(value: str) -> str:
+    # safe="" also escapes "/", leaving only unreserved characters: no glob, brace or colon.
+    return quote(value, safe="", encoding="utf-8", errors="surrogatepass")
+
+
+def _decode_part(value: str) -> str:
+    return unquote(value, encoding="utf-8", errors="surrogatepass")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a store's records live and how long they are kept."""
+
+    prefix: str
+    ttl_ms: int
+
+    @classmethod
+    def build(cls, prefix: str, ttl_s: float) -> Layout:
+        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
+            # A brace in the prefix would become the hash tag and put every record in one slot.
+            raise ConfigurationError(f"prefix must be a non-empty str without braces: {prefix!r}")
+        if not ttl_s > 0:
+            raise ConfigurationError(f"ttl_s must be positive, got {ttl_s!r}")
+        return cls(prefix, round(ttl_s * 1000))
+
+    def key(self, key: Key) -> str:
+        return f"{self.prefix}:{{{_encode_part(key.consumer)}:{_encode_part(key.message_id)}}}"
+
+    def parse_key(self, raw: bytes | str) -> Key | None:
+        """The :class:`Key` of a record key found by SCAN, or ``None`` if it is not ours."""
+        name = text(raw)
+        head = f"{self.prefix}:{{"
+        if not (name.startswith(head) and name.endswith("}")):
+            return None
+        consumer, sep, message_id = name[len(head) : -1].partition(":")
+        if not sep or ":" in message_id:
+            return None
+        return Key(_decode_part(consumer), _decode_part(message_id))
+
+    def pattern_all(self) -> str:
+        return f"{glob_escape(self.prefix)}:{{*}}"
+
+    def pattern_message(self, message_id: str) -> str:
+        return f"{glob_escape(self.prefix)}:{{*:{glob_escape(_encode_part(message_id))}}}"
+
+
+def _datetime(ms: str | None) -> datetime | None:
+    return None if not ms else _EPOCH + timedelta(milliseconds=int(ms))
+
+
+def parse_record(key: Key, reply: Any) -> Record | None:
+    """A :class:`Record` from HGETALL's reply (a dict, or a flat list when it came from Lua)."""
+    if not reply:
+        return None
+    if isinstance(reply, Mapping):
+        fields = {text(k): text(v) for k, v in reply.items()}
+    else:
+        items = [text(v) for v in reply]
+        fields = dict(zip(items[::2], items[1::2], strict=True))
+    try:
+        status = RecordStatus(int(fields["s"]))
+        lease = fields.get("l")
+        return Record(
+            consumer=key.consumer,
+            message_id=key.message_id,
+            status=status,
+            business_id=fields.get("b") or None,
+            payload_hash=fields.get("h") or None,
+            result=fields.get("r") if status is RecordStatus.PROCESSED else None,
+            owner=fields.get("o") or None,
+            lease_until_ms=int(lease) if lease and status is RecordStatus.PROCESSING else None,
+            attempts=int(fields.get("a") or 1),
+            created_time=_datetime(fields.get("c")),
+            processed_time=_datetime(fields.get("p")),
+        )
+    except (KeyError, ValueError) as exc:
+        # Someone else's hash under our prefix, or a corrupted record: not a guess-able state.
+        raise StoreError(f"malformed idemq record for {key!r}: fields {sorted(fields)}") from exc
+
+
+def _claim_args(layout: Layout, request: ClaimRequest) -> tuple[str | int, ...]:
+    until_ms = request.lease_until_ms
+    return (
+        request.owner,
+        request.now_ms,
+        until_ms,
+        # Keep a PROCESSING record until its lease is over plus the retention ttl: long enough
+        # that a redelivery after a crash finds it and takes over rather than starts afresh.
+        request.lease_ms + layout.ttl_ms,
+        request.business_id or "",
+        request.payload_hash or "",
+    )
+
+
+def _claim_reply(key: Key, reply: Any) -> Claim:
+    if reply == 1:
+        return Claim.won()
+    record = parse_record(key, reply)
+    if record is None:  # the script returns 1 or a non-empty hash; anything else is a bug
+        raise StoreError(f"unexpected claim reply for {key!r}: {reply!r}")
+    return Claim.lost_to(record)
+
+
+def claim(layout: Layout, request: ClaimRequest) -> Op[Claim]:
+    reply = yield RunScript(CLAIM, (layout.key(request.key),), _claim_args(layout, request))
+    return _claim_reply(request.key, reply)
+
+
+def claim_many(layout: Layout, requests: Sequence[ClaimRequest]) -> Op[list[Claim]]:
+    if not requests:
+        return []
+    keys = tuple(layout.key(r.key) for r in requests)
+    args = tuple(a for r in requests for a in _claim_args(layout, r))
+    replies = yield RunScript(CLAIM_MANY, keys, args)
+    return [_claim_reply(r.key, reply) for r, reply in zip(requests, replies, strict=True)]
+
+
+def _encode_value(value: str) -> bytes:
+    # Results are JSON text from the guard; encode ourselves so even a lone surrogate round-trips.
+    return value.encode("utf-8", "surrogatepass")
+
+
+def complete(layout: Layout, key: Key, owner: str, result: str, now_ms: int) -> Op[None]:
+    args = (owner, _encode_value(result), now_ms, layout.ttl_ms)
+    done = yield RunScript(COMPLETE, (layout.key(key),), args)
+    if done != 1:
+        raise LeaseLostError(
+            f"lease on {key.message_id!r} (consumer {key.consumer!r}) was lost before complete: "
+            "another worker took it over or it expired away; the result was not stored"
+        )
+
+
+def release(layout: Layout, key: Key, owner: str) -> Op[None]:
+    yield RunScript(RELEASE, (layout.key(key),), (owner,))
+
+
+def get(layout: Layout, key: Key) -> Op[Record | None]:
+    reply = yield Call(("HGETALL", layout.key(key)))
+    return parse_record(key, reply)
+
+
+def _scan(pattern: str) -> Op[list[bytes | str]]:
+    """Every key matching ``pattern`` (SCAN may repeat keys; duplicates are dropped)."""
+    found: dict[bytes | str, None] = {}
+    cursor: int = 0
+    while True:
+        reply = yield Call(("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT, "TYPE", "hash"))
+        cursor, keys = int(reply[0]), reply[1]
+        found.update(dict.fromkeys(keys))
+        if cursor == 0:
+            return list(found)
+
+
+def _fetch(layout: Layout, raw_keys: Sequence[bytes | str]) -> Op[list[Record]]:
+    pairs = [(raw, parsed) for raw in raw_keys if (parsed := layout.parse_key(raw)) is not None]
+    records: list[Record] = []
+    for start in range(0, len(pairs), _SCAN_COUNT):
+        chunk = pairs[start : start + _SCAN_COUNT]
+        replies = yield Batch(tuple(("HGETALL", raw) for raw, _ in chunk))
+        for (_, key), reply in zip(chunk, replies, strict=True):
+            record = parse_record(key, reply)  # None: expired or deleted since the SCAN
+            if record is not None:
+                records.append(record)
+    return records
+
+
+def find(layout: Layout, message_id: str) -> Op[list[Record]]:
+    raw_keys = yield from _scan(layout.pattern_message(message_id))
+    records = yield from _fetch(layout, raw_keys)
+    return sorted((r for r in records if r.message_id == message_id), key=lambda r: r.consumer)
+
+
+def in_progress(layout: Layout, limit: int) -> Op[list[Record]]:
+    raw_keys = yield from _scan(layout.pattern_all())
+    records = yield from _fetch(layout, raw_keys)
+    processing = [r for r in records if r.status is RecordStatus.PROCESSING]
+    processing.sort(key=lambda r: (r.created_time or _EPOCH, r.lease_until_ms or 0))
+    return processing[:limit]
+
+
+def purge(layout: Layout, cutoff_ms: int, batch_size: int) -> Op[int]:
+    if batch_size < 1:
+        raise ConfigurationError(f"batch_size must be at least 1, got {batch_size}")
+    deleted = 0
+    cursor: int = 0
+    while True:
+        reply = yield Call(
+            ("SCAN", cursor, "MATCH", layout.pattern_all(), "COUNT", batch_size, "TYPE", "hash")
+        )
+        cursor, keys = int(reply[0]), [k for k in reply[1] if layout.parse_key(k) is not None]
+        # Bounded batches: one Lua call never blocks the server for more than batch_size keys.
+        for start in range(0, len(keys), batch_size):
+            deleted += yield RunScript(PURGE, tuple(keys[start : start + batch_size]), (cutoff_ms,))
+        if cursor == 0:
+            return deleted
