@@ -1,0 +1,144 @@
+"""Optimistic version compare-and-set on a business row, with optional fencing.
+
+::
+
+    UPDATE accounts SET balance = :balance, version = version + 1 [, fence_token = :fence]
+     WHERE account_id = :key AND version = :expected
+       [AND (fence_token IS NULL OR fence_token <= :fence)]
+
+The reader remembers the ``version`` it read; the write succeeds only if nobody wrote in
+between. Of N workers that read version 7 and race to write, the database lets exactly one
+UPDATE match (the others re-evaluate ``version = 7`` against the committed 8 and match nothing),
+so :func:`versioned_update` returns True exactly once per version. A False means "re-read and
+decide again" (or: someone already did it).
+
+Fencing closes the gap a distributed lock leaves open: a worker that paused (GC, network) past
+its lock TTL still believes it holds the lock. Its write carries the fencing token it got with
+the lock; the row remembers the highest token that wrote to it and refuses older ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import bindparam, or_, update
+
+from idemq._sqlident import Plan, check_columns, check_identifier, run_plan, run_plan_async
+from idemq._sqlident import table_clause as _table
+from idemq.errors import ConfigurationError, InvalidInputError
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+__all__ = ["versioned_update", "versioned_update_async"]
+
+
+def versioned_update(  # noqa: PLR0917 -- positional shape fixed by the public contract
+    conn: Connection,
+    table: str,
+    key_column: str,
+    key: Any,
+    expected_version: int,
+    values: Mapping[str, Any],
+    version_column: str = "version",
+    *,
+    fence: int | None = None,
+    fence_column: str = "fence_token",
+) -> bool:
+    """Write ``values`` and bump the version iff the row is still at ``expected_version``.
+
+    Runs inside ``conn``'s current transaction (commit is the caller's). Returns True when this
+    call wrote the row, False when the version moved on, the key does not exist, or — with
+    ``fence`` — the row has already been written under a larger fencing token. Table and column
+    names are validated (→ :class:`~idemq.ConfigurationError`); every value is a bound
+    parameter. Database failures raise :class:`~idemq.StoreError` subclasses (cause kept).
+    """
+    plan = _plan(
+        table=table,
+        key_column=key_column,
+        key=key,
+        expected_version=expected_version,
+        values=values,
+        version_column=version_column,
+        fence=fence,
+        fence_column=fence_column,
+    )
+    return run_plan(conn, plan, f"versioned update of {table}")
+
+
+async def versioned_update_async(  # noqa: PLR0917 -- mirrors versioned_update
+    conn: AsyncConnection,
+    table: str,
+    key_column: str,
+    key: Any,
+    expected_version: int,
+    values: Mapping[str, Any],
+    version_column: str = "version",
+    *,
+    fence: int | None = None,
+    fence_column: str = "fence_token",
+) -> bool:
+    """:func:`versioned_update` on a SQLAlchemy ``AsyncConnection``; same statement, same result."""
+    plan = _plan(
+        table=table,
+        key_column=key_column,
+        key=key,
+        expected_version=expected_version,
+        values=values,
+        version_column=version_column,
+        fence=fence,
+        fence_column=fence_column,
+    )
+    return await run_plan_async(conn, plan, f"versioned update of {table}")
+
+
+def _plan(
+    *,
+    table: str,
+    key_column: str,
+    key: Any,
+    expected_version: int,
+    values: Mapping[str, Any],
+    version_column: str,
+    fence: int | None,
+    fence_column: str,
+) -> Plan[bool]:
+    """The CAS, written once for both shells: one UPDATE, decided by its rowcount."""
+    check_identifier(key_column, "key_column")
+    check_identifier(version_column, "version_column")
+    check_identifier(fence_column, "fence_column")
+    managed = {key_column, version_column, fence_column}
+    if len(managed) != 3:
+        raise ConfigurationError(
+            "key_column, version_column and fence_column must differ, got "
+            f"{[key_column, version_column, fence_column]}"
+        )
+    value_cols = check_columns(values, "values", managed)
+    for name, number in (("expected_version", expected_version), ("fence", fence)):
+        # bool is an int subclass: True would silently compare as version/token 1.
+        if (number is not None or name == "expected_version") and (
+            isinstance(number, bool) or not isinstance(number, int)
+        ):
+            raise InvalidInputError(f"{name} must be an int, got {number!r}")
+
+    tbl = _table(table, key_column, version_column, fence_column, *value_cols)
+    version_col, fence_col = tbl.c[version_column], tbl.c[fence_column]
+    new_values: dict[str, Any] = {**values, version_column: version_col + 1}
+    stmt = update(tbl).where(
+        tbl.c[key_column] == bindparam("k", key),
+        version_col == bindparam("expected", expected_version),
+    )
+    if fence is not None:
+        new_values[fence_column] = fence
+        # NULL = never fenced; an equal token is the same lock holder writing again.
+        stmt = stmt.where(or_(fence_col.is_(None), fence_col <= fence))
+
+    matched = (yield stmt.values(new_values)).rowcount
+    if matched > 1:
+        raise ConfigurationError(
+            f"{table}.{key_column} is not unique: {matched} rows matched {key!r}; "
+            "roll back the transaction"
+        )
+    return matched == 1
