@@ -15,16 +15,23 @@ public API: they are translated at the boundary and kept as ``__cause__``.
     ├── PayloadMismatchError                    same id seen before with another payload
     ├── ConfigurationError                      a mistake in how idemq was set up
     ├── StoreError                              the dedup store failed
-    │   └── StoreUnavailableError               … because it could not be reached or timed out
+    │   ├── StoreUnavailableError               … because it could not be reached or timed out
+    │   └── StoreConflictError                  … a transient conflict (deadlock); safe to retry
     ├── LeaseLostError                          a lease expired and another worker took over
     ├── LockError
     │   └── LockNotOwnedError                   release/extend of a lock this owner no longer holds
+    ├── BrokerError                             a message broker failed or was misused
+    │   ├── BrokerUnavailableError              … it could not be reached or dropped the connection
+    │   └── AlreadySettledError                 a delivery was acked/retried/dead-lettered twice
     └── ClockMovedBackwardsError                the wall clock stepped back past the tolerated drift
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AlreadySettledError",
+    "BrokerError",
+    "BrokerUnavailableError",
     "ClockMovedBackwardsError",
     "ConfigurationError",
     "IdemqError",
@@ -37,6 +44,7 @@ __all__ = [
     "LockNotOwnedError",
     "PayloadMismatchError",
     "ResultNotSerializableError",
+    "StoreConflictError",
     "StoreError",
     "StoreUnavailableError",
 ]
@@ -101,6 +109,14 @@ class StoreUnavailableError(StoreError):
     """
 
 
+class StoreConflictError(StoreError):
+    """A transient conflict (deadlock, serialization failure, busy database) while claiming.
+
+    Nothing was written; the guard retries a claim that fails this way when it owns the
+    transaction, and raises it when it runs inside the caller's transaction.
+    """
+
+
 class LeaseLostError(IdemqError):
     """The lease on a message ran out and another worker claimed it; this worker's
     ``complete`` was refused so its late result cannot overwrite the new owner's."""
@@ -112,6 +128,22 @@ class LockError(IdemqError):
 
 class LockNotOwnedError(LockError):
     """Release or extend of a lock that this owner no longer holds (expired or taken over)."""
+
+
+class BrokerError(IdemqError):
+    """A message broker failed, or a delivery was used in a way the broker cannot honour."""
+
+
+class BrokerUnavailableError(BrokerError):
+    """The broker could not be reached or dropped the connection; the worker reconnects."""
+
+
+class AlreadySettledError(BrokerError):
+    """A delivery was settled (ack, retry or dead-letter) a second time.
+
+    Settling twice is always a bug: a second ack could acknowledge a later redelivery of the
+    same message, hiding a crash; so it is refused loudly instead of ignored.
+    """
 
 
 class ClockMovedBackwardsError(IdemqError):

@@ -1,0 +1,318 @@
+"""What every broker adapter offers, and the settlement policy they all share.
+
+An adapter turns its broker's at-least-once delivery into an iterator of :class:`Delivery`
+objects (``None`` when idle, so the worker can notice a stop request — dramatiq's consumer
+shape). The worker runs the guard and then settles each delivery exactly once, as decided by
+:func:`decide`, a pure function of (what happened, delivery attempt, policy):
+
+* PROCESSED / DUPLICATE            → ack (only after the dedup transaction committed)
+* IN_PROGRESS                      → retry later, never ack (acking would hide a crashed twin)
+* handler error                    → retry with exponential backoff, dead-letter at max_attempts
+* invalid id / body, payload clash → dead-letter at once (retrying cannot help; it would block)
+* store unavailable                → retry later, never dead-letter (the message is fine)
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
+
+from idemq.errors import (
+    AlreadySettledError,
+    InvalidInputError,
+    LeaseLostError,
+    PayloadMismatchError,
+    StoreUnavailableError,
+)
+from idemq.message import BUSINESS_ID_HEADER, MESSAGE_ID_HEADER, Message
+
+__all__ = [
+    "DEAD_LETTER_ATTEMPTS_HEADER",
+    "DEAD_LETTER_QUEUE_HEADER",
+    "DEAD_LETTER_REASON_HEADER",
+    "Ack",
+    "Broker",
+    "DeadLetter",
+    "Delivery",
+    "Received",
+    "Retry",
+    "RetryPolicy",
+    "Settlement",
+    "Verdict",
+    "classify",
+    "dead_letter_headers",
+    "decide",
+    "decode",
+    "mask_url",
+]
+
+DEAD_LETTER_REASON_HEADER = "idemq-dead-letter-reason"
+DEAD_LETTER_QUEUE_HEADER = "idemq-original-queue"
+DEAD_LETTER_ATTEMPTS_HEADER = "idemq-delivery-attempts"
+
+
+class Verdict(enum.Enum):
+    """What happened to one delivery; the input of :func:`decide`."""
+
+    PROCESSED = "processed"
+    DUPLICATE = "duplicate"
+    IN_PROGRESS = "in_progress"
+    HANDLER_ERROR = "handler_error"
+    INVALID_MESSAGE = "invalid_message"
+    PAYLOAD_MISMATCH = "payload_mismatch"
+    STORE_UNAVAILABLE = "store_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Acknowledge: the effect is committed (or was, by an earlier delivery)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Do not ack; have the broker deliver the message again after ``delay_s``."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Move the message to the dead-letter destination with ``reason`` in its headers."""
+
+    reason: str
+
+
+Settlement = Ack | Retry | DeadLetter
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How long to wait before redelivery, and when a failing message is given up on."""
+
+    max_attempts: int = 5
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 60.0
+    # A twin holds the claim: come back after roughly a lease, not instantly (a hot loop).
+    in_progress_delay_s: float = 5.0
+    store_unavailable_delay_s: float = 2.0
+
+    def backoff_s(self, delivery_attempt: int) -> float:
+        """Exponential backoff for the retry after failed attempt ``delivery_attempt`` (1-based)."""
+        exponent = max(delivery_attempt - 1, 0)
+        return float(min(self.backoff_max_s, self.backoff_base_s * 2.0**exponent))
+
+
+def decide(
+    verdict: Verdict, delivery_attempt: int, policy: RetryPolicy, detail: str = ""
+) -> Settlement:
+    """Map what happened to one delivery to how it must be settled (pure; see module doc)."""
+    if verdict in (Verdict.PROCESSED, Verdict.DUPLICATE):
+        return Ack()
+    if verdict is Verdict.IN_PROGRESS:
+        return Retry(policy.in_progress_delay_s)
+    if verdict is Verdict.STORE_UNAVAILABLE:
+        # Never counted against max_attempts: an outage must not dead-letter good messages.
+        return Retry(policy.store_unavailable_delay_s)
+    if verdict is Verdict.HANDLER_ERROR:
+        if delivery_attempt >= policy.max_attempts:
+            return DeadLetter(
+                f"{verdict.value}: gave up after {delivery_attempt} attempts: {detail}".rstrip()
+            )
+        return Retry(policy.backoff_s(delivery_attempt))
+    # INVALID_MESSAGE, PAYLOAD_MISMATCH: the same bytes fail the same way every time.
+    return DeadLetter(f"{verdict.value}: {detail}".rstrip())
+
+
+def classify(exc: BaseException) -> Verdict:
+    """Which :class:`Verdict` an exception raised by ``guard.process`` stands for."""
+    if isinstance(exc, StoreUnavailableError):
+        return Verdict.STORE_UNAVAILABLE
+    if isinstance(exc, PayloadMismatchError):
+        return Verdict.PAYLOAD_MISMATCH
+    if isinstance(exc, InvalidInputError):
+        return Verdict.INVALID_MESSAGE
+    if isinstance(exc, LeaseLostError):
+        # Another worker took the message over; redeliver later and it reads as DUPLICATE.
+        return Verdict.IN_PROGRESS
+    return Verdict.HANDLER_ERROR
+
+
+def decode(
+    body: bytes,
+    headers: Mapping[str, str],
+    *,
+    broker_message_id: str | None = None,
+    delivery_attempt: int = 1,
+) -> tuple[Message | None, str | None]:
+    """Build the :class:`~idemq.Message` of a raw delivery, or say why it cannot be built.
+
+    The id is the broker's message id, else the ``idemq-message-id`` header. Only a *missing* id
+    is refused here; the guard validates the rest (length, characters) in one place.
+    """
+    message_id = broker_message_id or headers.get(MESSAGE_ID_HEADER)
+    if not message_id:
+        return None, f"no message id (neither a broker message id nor {MESSAGE_ID_HEADER})"
+    message = Message(
+        id=message_id,
+        body=body,
+        headers=dict(headers),
+        business_id=headers.get(BUSINESS_ID_HEADER) or None,
+        delivery_attempt=delivery_attempt,
+    )
+    return message, None
+
+
+def dead_letter_headers(
+    headers: Mapping[str, str], *, reason: str, queue: str, delivery_attempt: int
+) -> dict[str, str]:
+    """The original headers plus why, from where and after how many attempts it died."""
+    out = dict(headers)
+    out[DEAD_LETTER_REASON_HEADER] = reason[:1000]
+    out[DEAD_LETTER_QUEUE_HEADER] = queue
+    out[DEAD_LETTER_ATTEMPTS_HEADER] = str(delivery_attempt)
+    return out
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """The broker-independent part of a delivery, as every adapter builds it."""
+
+    queue: str
+    body: bytes
+    headers: Mapping[str, str]
+    message: Message | None
+    decode_error: str | None
+    delivery_attempt: int
+
+    @classmethod
+    def build(
+        cls,
+        queue: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        broker_message_id: str | None = None,
+        delivery_attempt: int = 1,
+    ) -> Received:
+        """Decode ``body``/``headers`` (see :func:`decode`), keeping the raw parts either way."""
+        message, error = decode(
+            body, headers, broker_message_id=broker_message_id, delivery_attempt=delivery_attempt
+        )
+        return cls(queue, body, dict(headers), message, error, delivery_attempt)
+
+
+class Delivery(abc.ABC):
+    """One received message and the way to settle it — exactly once.
+
+    ``message`` is ``None`` when the raw delivery could not be decoded; then ``decode_error``
+    says why and the worker dead-letters it (the raw ``body``/``headers`` are kept for that).
+    """
+
+    def __init__(self, received: Received) -> None:
+        self.queue = received.queue
+        self.body = received.body
+        self.headers = dict(received.headers)
+        self.message = received.message
+        self.decode_error = received.decode_error
+        self.delivery_attempt = received.delivery_attempt
+        self._settled_as: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def settled(self) -> bool:
+        """Whether ack, retry or dead_letter has been called."""
+        return self._settled_as is not None
+
+    def ack(self) -> None:
+        """Acknowledge: the broker forgets the message."""
+        self._mark("ack")
+        self._ack()
+
+    def retry(self, delay_s: float) -> None:
+        """Leave the message unacknowledged so the broker delivers it again after ``delay_s``."""
+        self._mark("retry")
+        self._retry(max(delay_s, 0.0))
+
+    def dead_letter(self, reason: str) -> None:
+        """Move the message to the dead-letter destination with ``reason`` in its headers."""
+        self._mark("dead_letter")
+        self._dead_letter(reason)
+
+    def settle(self, settlement: Settlement) -> None:
+        """Apply a decision of :func:`decide`."""
+        if isinstance(settlement, Ack):
+            self.ack()
+        elif isinstance(settlement, Retry):
+            self.retry(settlement.delay_s)
+        else:
+            self.dead_letter(settlement.reason)
+
+    def _mark(self, how: str) -> None:
+        with self._lock:
+            if self._settled_as is not None:
+                raise AlreadySettledError(
+                    f"delivery of {self.describe()} already settled by {self._settled_as}"
+                )
+            self._settled_as = how
+
+    def describe(self) -> str:
+        """A short label for logs: the message id or the decode error."""
+        return repr(self.message.id) if self.message else f"<undecodable: {self.decode_error}>"
+
+    @abc.abstractmethod
+    def _ack(self) -> None: ...
+
+    @abc.abstractmethod
+    def _retry(self, delay_s: float) -> None: ...
+
+    @abc.abstractmethod
+    def _dead_letter(self, reason: str) -> None: ...
+
+
+@runtime_checkable
+class Broker(Protocol):
+    """A connection to one broker; thread-safe settlement, one consumer iterator at a time."""
+
+    def declare(self, queue: str) -> None:
+        """Make ``queue`` and its dead-letter destination exist, so messages published from now
+        on are kept even before a consumer runs (idempotent)."""
+        ...
+
+    def consume(self, queue: str, *, prefetch: int) -> Iterator[Delivery | None]:
+        """Deliveries from ``queue``; ``None`` whenever nothing arrived for a short while."""
+        ...
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+    ) -> None:
+        """Send one message and wait for the broker to confirm it."""
+        ...
+
+    def dead_letter_queue(self, queue: str) -> str:
+        """Where dead letters of ``queue`` go (readable with :meth:`consume`)."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection; unsettled deliveries will be redelivered by the broker."""
+        ...

@@ -1,0 +1,362 @@
+"""One contract for every broker adapter, run live (subclassed once per broker).
+
+A subclass provides the ``broker_url`` fixture (with short redelivery timers) and nothing else.
+Effects go to a business table through ``tx``, so "exactly once" is checked on rows, not on
+return values.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from conftest import require_service, unique
+from idemq.brokers import open_broker
+from idemq.brokers.base import (
+    DEAD_LETTER_REASON_HEADER,
+    Broker,
+    RetryPolicy,
+    Verdict,
+)
+from idemq.message import Message
+from idemq.worker import Worker, open_guard
+
+from ._proxy import CuttableProxy
+
+SRC = str(Path(__file__).resolve().parents[3] / "src")
+PG_URL = os.environ.get("IDEMQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+FAST = RetryPolicy(
+    max_attempts=3,
+    backoff_base_s=0.05,
+    backoff_max_s=0.2,
+    in_progress_delay_s=0.3,
+    store_unavailable_delay_s=0.3,
+)
+
+
+class Business:
+    """The business table the handler writes to (through ``tx``), and its row counts."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.table = unique("effects")
+        self.engine = sa.create_engine(url)
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(f"CREATE TABLE {self.table} (message_id VARCHAR(200), n INT)"))
+        self.fail_once: set[str] = set()
+        self.always_fail: set[str] = set()
+        self._lock = threading.Lock()
+        self.slow_s = 0.0
+
+    def handler(self, msg: Message, tx: Any) -> dict[str, int]:
+        data = msg.json()  # the poison test sends a non-JSON body: InvalidMessageError
+        tx.execute(
+            sa.text(f"INSERT INTO {self.table} (message_id, n) VALUES (:m, :n)"),
+            {"m": msg.id, "n": data.get("n", 0)},
+        )
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        with self._lock:
+            if msg.id in self.always_fail:
+                raise RuntimeError("this message always fails")
+            if msg.id in self.fail_once:
+                self.fail_once.discard(msg.id)
+                raise RuntimeError("fails once, after writing (the write must roll back)")
+        return {"n": data.get("n", 0)}
+
+    def counts(self) -> Counter[str]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.text(f"SELECT message_id FROM {self.table}")).all()
+        return Counter(row[0] for row in rows)
+
+    def drop(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE {self.table}"))
+        self.engine.dispose()
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Running:
+    """A worker in a thread; :meth:`stop` stops it gracefully and returns its stats."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.thread = threading.Thread(target=worker.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> Worker:
+        self.worker.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "worker did not stop within 30 s"
+        return self.worker
+
+
+class BrokerContract:
+    """The tests every broker adapter must pass (not collected itself: no ``Test`` prefix)."""
+
+    redelivery_timeout_s: float = 30.0
+
+    @pytest.fixture
+    def queue(self) -> str:
+        return unique("q")
+
+    @pytest.fixture
+    def business(self, tmp_path: Path) -> Iterator[Business]:
+        biz = Business(f"sqlite:///{tmp_path / 'business.db'}")
+        yield biz
+        biz.drop()
+
+    @pytest.fixture
+    def publisher(self, broker_url: str, queue: str) -> Iterator[Broker]:
+        broker = open_broker(broker_url)
+        broker.declare(queue)
+        yield broker
+        broker.close()
+
+    def worker(
+        self, broker_url: str, queue: str, business: Business, *, concurrency: int = 2
+    ) -> Worker:
+        guard = open_guard(business.url, unique("c"))
+        return Worker(
+            business.handler,
+            open_broker(broker_url),
+            guard,
+            queue,
+            concurrency=concurrency,
+            policy=FAST,
+        )
+
+    def read_dead_letters(
+        self, broker_url: str, queue: str, expected: int
+    ) -> list[tuple[bytes, dict[str, str]]]:
+        broker = open_broker(broker_url)
+        found: list[tuple[bytes, dict[str, str]]] = []
+        deadline = time.monotonic() + 20
+        try:
+            for delivery in broker.consume(broker.dead_letter_queue(queue), prefetch=10):
+                if delivery is not None:
+                    found.append((delivery.body, delivery.headers))
+                    delivery.ack()
+                if len(found) >= expected or time.monotonic() > deadline:
+                    break
+        finally:
+            broker.close()
+        return found
+
+    # -- the contract --------------------------------------------------------------------------
+
+    def test_each_effect_once_despite_duplicates_and_retries(
+        self, broker_url: str, queue: str, business: Business, publisher: Broker
+    ) -> None:
+        ids = [f"M{i:03d}_{queue}" for i in range(20)]
+        business.fail_once.update(ids[::4])  # 5 messages fail once after writing
+        running = Running(self.worker(broker_url, queue, business))
+        for i, message_id in enumerate(ids):
+            publisher.publish(queue, b'{"n": %d}' % i, message_id=message_id)
+        for message_id in ids[:5]:  # a producer retry after a lost confirm: same id again
+            publisher.publish(queue, b'{"n": 0}', message_id=message_id)
+        wait_for(lambda: set(business.counts()) == set(ids), 30, "all 20 effects")
+        time.sleep(0.5)  # let the duplicates arrive too
+        stats = running.stop().stats
+        assert business.counts() == Counter({message_id: 1 for message_id in ids})
+        assert stats.verdicts[Verdict.PROCESSED] == 20
+        assert stats.verdicts[Verdict.HANDLER_ERROR] == 5
+        assert not business.fail_once  # every forced failure really was redelivered
+
+    def test_crash_after_commit_before_ack_is_redelivered_and_absorbed(
+        self, broker_url: str, queue: str, business: Business, publisher: Broker, tmp_path: Path
+    ) -> None:
+        consumer = unique("c")
+        ids = [f"C{i:03d}_{queue}" for i in range(5)]
+        for i, message_id in enumerate(ids):
+            publisher.publish(queue, b'{"n": %d}' % i, message_id=message_id)
+        crashed = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                CRASH_SCRIPT,
+                broker_url,
+                queue,
+                business.url,
+                business.table,
+                consumer,
+            ],
+            env={**os.environ, "PYTHONPATH": SRC},
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        assert crashed.returncode == 99, crashed.stderr.decode()
+        assert sum(business.counts().values()) == 1  # committed, never acked
+
+        guard = open_guard(business.url, consumer)
+        worker = Worker(business.handler, open_broker(broker_url), guard, queue, policy=FAST)
+        running = Running(worker)
+        wait_for(lambda: set(business.counts()) == set(ids), 30, "all effects")
+        wait_for(
+            lambda: worker.stats.verdicts[Verdict.DUPLICATE] >= 1,
+            self.redelivery_timeout_s,
+            "the crashed message to be redelivered",
+        )
+        running.stop()
+        assert business.counts() == Counter({message_id: 1 for message_id in ids})
+
+    def test_poison_messages_are_dead_lettered_with_reason(
+        self, broker_url: str, queue: str, business: Business, publisher: Broker
+    ) -> None:
+        running = Running(self.worker(broker_url, queue, business))
+        exploding = f"X_{queue}"
+        business.always_fail.add(exploding)
+        publisher.publish(queue, b'{"kind": "no-id"}')
+        publisher.publish(queue, b'{"kind": "long-id"}', message_id="L" * 200)
+        publisher.publish(queue, b"not json at all", message_id=f"J_{queue}")
+        publisher.publish(queue, b'{"kind": "explode"}', message_id=exploding)
+        good = [f"G{i}_{queue}" for i in range(3)]
+        for message_id in good:
+            publisher.publish(queue, b'{"n": 1}', message_id=message_id)
+        wait_for(lambda: set(business.counts()) == set(good), 30, "the good messages")
+        dead = self.read_dead_letters(broker_url, queue, expected=4)
+        running.stop()
+        reasons = {body: headers.get(DEAD_LETTER_REASON_HEADER, "") for body, headers in dead}
+        assert len(dead) == 4, reasons
+        assert reasons[b'{"kind": "no-id"}'].startswith("invalid_message: no message id")
+        assert reasons[b'{"kind": "long-id"}'].startswith("invalid_message: InvalidMessageIdError")
+        assert reasons[b"not json at all"].startswith("invalid_message: InvalidMessageError")
+        assert reasons[b'{"kind": "explode"}'].startswith("handler_error: gave up after 3")
+        assert business.counts() == Counter({message_id: 1 for message_id in good})
+
+    def test_store_outage_loses_nothing(
+        self, broker_url: str, queue: str, publisher: Broker
+    ) -> None:
+        require_service("postgres")
+        proxy = CuttableProxy(("127.0.0.1", 5432))
+        url = sa.make_url(PG_URL).set(host="127.0.0.1", port=proxy.port)
+        business = Business(url.render_as_string(hide_password=False))
+        try:
+            ids = [f"S{i:03d}_{queue}" for i in range(20)]
+            business.slow_s = 0.05
+            worker = self.worker(broker_url, queue, business, concurrency=2)
+            running = Running(worker)
+            for i, message_id in enumerate(ids):
+                publisher.publish(queue, b'{"n": %d}' % i, message_id=message_id)
+            wait_for(lambda: len(business.counts()) >= 3, 30, "a few effects")
+            proxy.cut()
+            time.sleep(1.5)
+            proxy.restore()
+            wait_for(lambda: set(business.counts()) == set(ids), 60, "every effect after outage")
+            running.stop()
+            assert business.counts() == Counter({message_id: 1 for message_id in ids})
+            assert worker.stats.verdicts[Verdict.STORE_UNAVAILABLE] >= 1
+        finally:
+            proxy.restore()
+            business.drop()
+            proxy.close()
+
+    def test_sigterm_finishes_in_flight_then_exits(
+        self, broker_url: str, queue: str, business: Business, publisher: Broker, tmp_path: Path
+    ) -> None:
+        (tmp_path / "slow_handler.py").write_text(SLOW_HANDLER)
+        consumer = unique("c")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SIGTERM_SCRIPT, broker_url, queue, business.url, consumer],
+            env={
+                **os.environ,
+                "PYTHONPATH": f"{SRC}{os.pathsep}{tmp_path}",
+                "EFFECTS_TABLE": business.table,
+            },
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert "idemq worker ready: broker=" in line, line
+            assert f"queue={queue} store=" in line
+            message_id = f"T_{queue}"
+            publisher.publish(queue, b'{"n": 7}', message_id=message_id)
+            wait_for((tmp_path / "started").exists, 20, "the handler to start")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert business.counts() == Counter({message_id: 1})
+        # It was acked, not left for redelivery: a fresh worker sees nothing.
+        guard = open_guard(business.url, consumer)
+        worker = Worker(business.handler, open_broker(broker_url), guard, queue, policy=FAST)
+        running = Running(worker)
+        time.sleep(min(self.redelivery_timeout_s, 3.0))
+        assert running.stop().stats.deliveries == 0
+
+
+CRASH_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import sqlalchemy as sa
+    from idemq.brokers import open_broker
+    from idemq.brokers.base import Verdict
+    from idemq.worker import Worker, open_guard
+
+    broker_url, queue, store_url, table, consumer = sys.argv[1:6]
+
+    def handler(msg, tx):
+        tx.execute(sa.text(f"INSERT INTO {table} (message_id, n) VALUES (:m, 0)"), {"m": msg.id})
+
+    class CrashAfterCommit(Worker):
+        def handle(self, delivery):
+            verdict, _ = self._verdict(delivery)
+            if verdict is Verdict.PROCESSED:
+                os._exit(99)  # effect committed, ack never sent: cause 3 of DESIGN.md
+            return super().handle(delivery)
+
+    guard = open_guard(store_url, consumer)
+    CrashAfterCommit(handler, open_broker(broker_url), guard, queue).run()
+    """
+)
+
+SLOW_HANDLER = textwrap.dedent(
+    """
+    import os, pathlib, time
+    import sqlalchemy as sa
+
+    def handle(msg, tx):
+        tx.execute(
+            sa.text(f"INSERT INTO {os.environ['EFFECTS_TABLE']} (message_id, n) VALUES (:m, 1)"),
+            {"m": msg.id},
+        )
+        pathlib.Path(__file__).with_name("started").touch()
+        time.sleep(1.5)  # SIGTERM lands here: the worker must finish, commit and ack
+    """
+)
+
+SIGTERM_SCRIPT = textwrap.dedent(
+    """
+    import logging, sys
+    from idemq.worker import run_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    broker_url, queue, store_url, consumer = sys.argv[1:5]
+    run_worker("slow_handler:handle", broker_url=broker_url, queue=queue, store_url=store_url,
+               consumer=consumer)
+    """
+)
