@@ -6,7 +6,7 @@ in :mod:`idemq.core`. A backend only has to answer these questions atomically:
 * ``claim``     — insert the record as PROCESSING for ``owner`` until ``now + lease``; if a record
   exists and is PROCESSING with an expired lease, take it over; otherwise hand back the record.
 * ``complete``  — PROCESSING → PROCESSED with the result, only if ``owner`` still holds it.
-* ``release``   — delete the PROCESSING record, only if ``owner`` still holds it (so it can be retried).
+* ``release``   — delete the PROCESSING record, only if ``owner`` still holds it (retry at once).
 
 A :class:`TransactionalStore` (SQL) adds the same-transaction flavour: the claim is written as
 PROCESSED inside the caller's transaction, so it commits or rolls back with the business change.
@@ -147,7 +147,7 @@ class TransactionalStore(Store, Protocol):
     """A store whose dedup row can share a transaction with the business change (SQL)."""
 
     def transaction(self, connection: Any = None) -> AbstractContextManager[Any]:
-        """Open (or join, via a savepoint) a transaction and yield the connection to write through."""
+        """Open (or join, via a savepoint) a transaction; yield the connection to write through."""
 
     def claim_in(self, tx: Any, request: ClaimRequest) -> Claim:
         """Insert the record as PROCESSED inside ``tx``; a concurrent twin waits on the row lock."""
@@ -155,6 +155,9 @@ class TransactionalStore(Store, Protocol):
     def claim_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
 
     def save_result_in(self, tx: Any, key: Key, result: str) -> None: ...
+
+    def release_in(self, tx: Any, key: Key, owner: str) -> None:
+        """Delete a claim made by ``claim_many_in`` whose handler failed (batch savepoints)."""
 
     def savepoint(self, tx: Any) -> AbstractContextManager[Any]: ...
 
@@ -194,5 +197,6 @@ class AsyncTransactionalStore(AsyncStore, Protocol):
 
     async def save_result_in(self, tx: Any, key: Key, result: str) -> None: ...
 
-    def savepoint(self, tx: Any) -> AbstractAsyncContextManager[Any]: ...
+    async def release_in(self, tx: Any, key: Key, owner: str) -> None: ...
 
+    def savepoint(self, tx: Any) -> AbstractAsyncContextManager[Any]: ...

@@ -1,0 +1,304 @@
+"""The decision logic of the guard — claim → handle → complete/release — with no I/O.
+
+The sync and async shells in :mod:`idemq.idempotency` only sequence store calls; every rule lives
+here once: what a valid message id is, how a payload is hashed, how a result is stored and
+replayed, and what an existing record means for the message at hand.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from idemq.errors import (
+    ConfigurationError,
+    InvalidBusinessIdError,
+    InvalidInputError,
+    InvalidMessageError,
+    InvalidMessageIdError,
+    PayloadMismatchError,
+    ResultNotSerializableError,
+)
+from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
+
+__all__ = [
+    "MAX_BUSINESS_ID_CHARS",
+    "BatchPlan",
+    "MAX_MESSAGE_ID_CHARS",
+    "NULL_RESULT",
+    "Clock",
+    "Mode",
+    "Outcome",
+    "Policy",
+    "Status",
+    "decode_result",
+    "encode_result",
+    "failed",
+    "hash_payload",
+    "judge",
+    "plan_batch",
+    "processed",
+    "system_clock_ms",
+    "validate_business_id",
+    "validate_message_id",
+]
+
+MAX_MESSAGE_ID_CHARS = 128
+MAX_BUSINESS_ID_CHARS = 64
+NULL_RESULT = "null"  # encode_result(None): the value a claim row starts with
+
+T = TypeVar("T")
+Clock = Callable[[], int]
+"""A zero-argument callable returning epoch milliseconds."""
+
+
+def system_clock_ms() -> int:
+    """The wall clock in epoch milliseconds (the default clock everywhere in idemq)."""
+    return time.time_ns() // 1_000_000
+
+
+class Status(enum.StrEnum):
+    """What happened to a message."""
+
+    PROCESSED = "processed"  # the handler ran now and its effect committed
+    DUPLICATE = "duplicate"  # processed before; the stored result is replayed, handler not run
+    IN_PROGRESS = "in_progress"  # another worker holds a live lease: do not ack, retry later
+    FAILED = "failed"  # only in process_batch: this message's handler raised (see Outcome.error)
+
+
+class Mode(enum.StrEnum):
+    """How the dedup record relates to the business change."""
+
+    TRANSACTIONAL = "transactional"  # dedup row in the same DB transaction as the effect
+    LEASE = "lease"  # claim with an expiring lease, complete after the effect
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[T]):
+    """The result of guarding one message."""
+
+    status: Status
+    message_id: str
+    result: T | None = None
+    record: Record | None = None  # the stored record, for DUPLICATE and IN_PROGRESS
+    error: BaseException | None = None  # for FAILED (batch only)
+
+    @property
+    def should_ack(self) -> bool:
+        """True when the delivery can be acknowledged: the effect is committed (now or before)."""
+        return self.status in (Status.PROCESSED, Status.DUPLICATE)
+
+
+def validate_message_id(message_id: object) -> str:
+    """Return ``message_id`` if it can be a dedup key, else raise :class:`InvalidMessageIdError`.
+
+    Keys are exact — no trimming, case folding or normalisation — so ``"a"``/``"A"``/``"a "`` are
+    three messages on every backend. NUL and lone surrogates are refused because PostgreSQL and
+    UTF-8 cannot store them, and a key that cannot be stored cannot be deduplicated.
+    """
+    if not isinstance(message_id, str):
+        raise InvalidMessageIdError(f"message id must be str, got {type(message_id).__name__}")
+    if not message_id:
+        raise InvalidMessageIdError("message id is empty")
+    if len(message_id) > MAX_MESSAGE_ID_CHARS:
+        raise InvalidMessageIdError(
+            f"message id has {len(message_id)} characters, the maximum is {MAX_MESSAGE_ID_CHARS}"
+        )
+    if "\x00" in message_id:
+        raise InvalidMessageIdError("message id contains a NUL character")
+    if not message_id.isascii():
+        try:
+            message_id.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidMessageIdError("message id is not valid Unicode (lone surrogate)") from exc
+    return message_id
+
+
+def validate_business_id(business_id: object) -> str | None:
+    """``None`` or a non-empty ``str`` of at most 64 characters (the seed's column width)."""
+    if business_id is None:
+        return None
+    if not isinstance(business_id, str):
+        raise InvalidBusinessIdError(
+            f"business id must be str or None, got {type(business_id).__name__}"
+        )
+    if not business_id or len(business_id) > MAX_BUSINESS_ID_CHARS or "\x00" in business_id:
+        raise InvalidBusinessIdError(
+            f"business id must have 1-{MAX_BUSINESS_ID_CHARS} characters and no NUL"
+        )
+    return business_id
+
+
+def hash_payload(payload: object) -> str | None:
+    """SHA-256 hex of a payload: bytes as is, str as UTF-8, anything else as canonical JSON."""
+    if payload is None:
+        return None
+    if isinstance(payload, bytes | bytearray | memoryview):
+        data = bytes(payload)
+    elif isinstance(payload, str):
+        data = payload.encode("utf-8", "surrogatepass")
+    else:
+        try:
+            data = json.dumps(
+                payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+            ).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise InvalidMessageError(
+                f"payload of type {type(payload).__name__} is not bytes, str or JSON-serializable"
+            ) from exc
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_result(result: object) -> str:
+    """The JSON text stored for replay. ``None``/``0``/``False``/``""`` all round-trip exactly."""
+    if result is None:
+        return NULL_RESULT
+    try:
+        return json.dumps(result, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ResultNotSerializableError(
+            f"handler result of type {type(result).__name__} cannot be stored as JSON: {exc}"
+        ) from exc
+
+
+def decode_result(text: str | None) -> Any:
+    """Inverse of :func:`encode_result` (JSON: tuples come back as lists, dict keys as str)."""
+    return None if text is None else json.loads(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A guard's fixed settings; builds validated claim requests."""
+
+    consumer: str
+    mode: Mode
+    lease_ms: int
+    clock: Clock
+
+    @classmethod
+    def build(cls, *, consumer: object, mode: str, lease_s: float, clock: Clock | None) -> Policy:
+        if not isinstance(consumer, str) or not 0 < len(consumer) <= MAX_MESSAGE_ID_CHARS:
+            raise ConfigurationError("consumer must be a str of 1-128 characters")
+        try:
+            parsed_mode = Mode(mode)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"mode must be one of {[m.value for m in Mode]}, got {mode!r}"
+            ) from exc
+        if not lease_s > 0:
+            raise ConfigurationError(f"lease_s must be positive, got {lease_s!r}")
+        return cls(consumer, parsed_mode, round(lease_s * 1000), clock or system_clock_ms)
+
+    def request(
+        self, message_id: object, business_id: object = None, payload: object = None
+    ) -> ClaimRequest:
+        """Validate and hash everything up front: an invalid message writes nothing."""
+        return ClaimRequest(
+            key=Key(self.consumer, validate_message_id(message_id)),
+            business_id=validate_business_id(business_id),
+            payload_hash=hash_payload(payload),
+            owner=secrets.token_hex(16),
+            now_ms=self.clock(),
+            lease_ms=self.lease_ms if self.mode is Mode.LEASE else 0,
+        )
+
+
+def judge(request: ClaimRequest, claim: Claim) -> Outcome[Any] | None:
+    """What a claim means: ``None`` — run the handler; otherwise the outcome to return as is.
+
+    A lost claim is a DUPLICATE when the record is PROCESSED (its result replayed) and IN_PROGRESS
+    when another owner holds a live lease. Either way a payload that differs from the first one's
+    raises :class:`PayloadMismatchError`: the id was reused for another message.
+    """
+    if claim.acquired:
+        return None
+    record = claim.record
+    assert record is not None, "a lost claim carries the existing record"
+    if (
+        request.payload_hash is not None
+        and record.payload_hash is not None
+        and request.payload_hash != record.payload_hash
+    ):
+        raise PayloadMismatchError(
+            request.key.message_id, record.payload_hash, request.payload_hash
+        )
+    message_id = request.key.message_id
+    if record.status is RecordStatus.PROCESSED:
+        return Outcome(Status.DUPLICATE, message_id, decode_result(record.result), record)
+    return Outcome(Status.IN_PROGRESS, message_id, None, record)
+
+
+def processed(request: ClaimRequest, result: T) -> Outcome[T]:
+    """The outcome of a handler that ran and committed now."""
+    return Outcome(Status.PROCESSED, request.key.message_id, result)
+
+
+class _BatchItem(Protocol):
+    """What ``process_batch`` needs of a message (``idemq.Message`` has it)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def body(self) -> bytes: ...
+
+    @property
+    def business_id(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """A batch reduced to one claim per distinct valid key.
+
+    ``slots[i]`` is either the index in ``requests`` that message ``i`` maps to (a repeated id maps
+    to its first occurrence, so it is handled once), or its final outcome when it was invalid.
+    """
+
+    requests: list[ClaimRequest]
+    first_index: list[int]  # message index of each request's first occurrence
+    slots: list[int | Outcome[Any]]
+
+    def assemble(self, per_request: list[Outcome[Any]]) -> list[Outcome[Any]]:
+        """Outcomes in message order; a repeat of an id shares its first occurrence's fate."""
+        out: list[Outcome[Any]] = []
+        for i, slot in enumerate(self.slots):
+            if isinstance(slot, Outcome):
+                out.append(slot)
+                continue
+            first = per_request[slot]
+            if i != self.first_index[slot] and first.status is Status.PROCESSED:
+                first = Outcome(Status.DUPLICATE, first.message_id, first.result, first.record)
+            out.append(first)
+        return out
+
+
+def plan_batch(policy: Policy, messages: Sequence[_BatchItem]) -> BatchPlan:
+    """Validate every message; an invalid one becomes a FAILED outcome, not a failed batch."""
+    requests: list[ClaimRequest] = []
+    first_index: list[int] = []
+    slots: list[int | Outcome[Any]] = []
+    seen: dict[str, int] = {}
+    for i, msg in enumerate(messages):
+        try:
+            request = policy.request(msg.id, msg.business_id, msg.body)
+        except InvalidInputError as exc:
+            slots.append(Outcome(Status.FAILED, str(msg.id), error=exc))
+            continue
+        message_id = request.key.message_id
+        if message_id not in seen:
+            seen[message_id] = len(requests)
+            requests.append(request)
+            first_index.append(i)
+        slots.append(seen[message_id])
+    return BatchPlan(requests, first_index, slots)
+
+
+def failed(request: ClaimRequest, error: BaseException) -> Outcome[Any]:
+    """The outcome of one batch message whose handler (or payload check) raised."""
+    return Outcome(Status.FAILED, request.key.message_id, error=error)

@@ -1,0 +1,122 @@
+"""An in-process lease store: for tests, examples and single-process tools.
+
+It has the exact semantics of the SQL and Redis lease stores (the contract suite runs against it),
+but it forgets everything when the process exits: never use it to guard real effects.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+from idemq.core import system_clock_ms
+from idemq.errors import LeaseLostError
+from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, RecordStatus
+
+__all__ = ["MemoryStore"]
+
+
+def _utc(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+class MemoryStore:
+    """A dict behind a lock; every primitive is atomic because it holds the lock throughout."""
+
+    def __init__(self) -> None:
+        self._records: dict[Key, Record] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, request: ClaimRequest) -> Claim:
+        with self._lock:
+            return self._claim(request)
+
+    def _claim(self, request: ClaimRequest) -> Claim:
+        current = self._records.get(request.key)
+        if current is None:
+            self._records[request.key] = Record(
+                consumer=request.key.consumer,
+                message_id=request.key.message_id,
+                status=RecordStatus.PROCESSING,
+                business_id=request.business_id,
+                payload_hash=request.payload_hash,
+                owner=request.owner,
+                lease_until_ms=request.lease_until_ms,
+                created_time=_utc(request.now_ms),
+            )
+            return Claim.won()
+        if current.status is RecordStatus.PROCESSING and current.lease_expired(request.now_ms):
+            self._records[request.key] = replace(
+                current,
+                owner=request.owner,
+                lease_until_ms=request.lease_until_ms,
+                attempts=current.attempts + 1,
+            )
+            return Claim.won()
+        return Claim.lost_to(current)
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        with self._lock:
+            return [self._claim(request) for request in requests]
+
+    def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
+        with self._lock:
+            current = self._records.get(key)
+            if (
+                current is None
+                or current.status is not RecordStatus.PROCESSING
+                or current.owner != owner
+            ):
+                raise LeaseLostError(f"lease on {key.message_id!r} was lost before complete")
+            self._records[key] = replace(
+                current,
+                status=RecordStatus.PROCESSED,
+                result=result,
+                lease_until_ms=None,
+                processed_time=_utc(now_ms),
+            )
+
+    def release(self, key: Key, owner: str) -> None:
+        with self._lock:
+            current = self._records.get(key)
+            if (
+                current is not None
+                and current.status is RecordStatus.PROCESSING
+                and current.owner == owner
+            ):
+                del self._records[key]
+
+    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        with self._lock:
+            return self._records.get(Key(consumer, message_id))
+
+    def find(self, message_id: str) -> list[Record]:
+        with self._lock:
+            found = [r for k, r in self._records.items() if k.message_id == message_id]
+        return sorted(found, key=lambda r: r.consumer)
+
+    def in_progress(self, *, limit: int = 100) -> list[Record]:
+        with self._lock:
+            found = [r for r in self._records.values() if r.status is RecordStatus.PROCESSING]
+        return sorted(found, key=lambda r: r.created_time or _utc(0))[:limit]
+
+    def purge(
+        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
+    ) -> int:
+        cutoff = _utc(now_ms if now_ms is not None else system_clock_ms()) - older_than
+        with self._lock:
+            doomed = [
+                k
+                for k, r in self._records.items()
+                if r.status is RecordStatus.PROCESSED
+                and r.processed_time is not None
+                and r.processed_time < cutoff
+            ]
+            for k in doomed:
+                del self._records[k]
+        return len(doomed)
+
+    def close(self) -> None:
+        """Nothing to close."""

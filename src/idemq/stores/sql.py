@@ -1,0 +1,510 @@
+"""``SqlStore`` / ``AsyncSqlStore``: the dedup table on SQLite, PostgreSQL and MariaDB/MySQL.
+
+Both run the same plans from :mod:`idemq.stores.sql_ops`; this module only owns connections,
+transactions and the translation of driver errors into the idemq tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.orm import Session
+
+from idemq.core import system_clock_ms
+from idemq.errors import (
+    ConfigurationError,
+    LeaseLostError,
+    StoreConflictError,
+    StoreError,
+    StoreUnavailableError,
+)
+from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record
+from idemq.stores.sql_ops import Ops, Plan, Reply, ops_for
+from idemq.stores.sql_schema import DEFAULT_TABLE, build_table, collation_for, ddl
+
+__all__ = ["AsyncSqlStore", "SqlStore", "schema_sql"]
+
+DEFAULT_URL = "sqlite:///idemq.db"
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+# (dialect name, SQLSTATE or MySQL error number) of transient conflicts that are safe to retry.
+_PG_CONFLICTS = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+_MYSQL_CONFLICTS = {1213, 1205}  # ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT
+
+
+def _is_conflict(exc: DBAPIError) -> bool:
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) in _PG_CONFLICTS:
+        return True
+    args = getattr(orig, "args", ())
+    if args and args[0] in _MYSQL_CONFLICTS:
+        return True
+    return "database is locked" in str(orig)  # SQLite, after the busy timeout
+
+
+@contextmanager
+def translate_errors(where: str) -> Iterator[None]:
+    """Driver errors → the idemq tree, cause kept. Messages never include the URL or params."""
+    try:
+        yield
+    except DBAPIError as exc:
+        detail = f"{where}: {type(exc.orig).__name__}: {str(exc.orig).strip().splitlines()[0]}"
+        if _is_conflict(exc):
+            raise StoreConflictError(detail) from exc
+        if exc.connection_invalidated or isinstance(
+            exc, sa.exc.OperationalError | sa.exc.InterfaceError
+        ):
+            raise StoreUnavailableError(detail) from exc
+        raise StoreError(detail) from exc
+    except SQLAlchemyError as exc:  # pool timeout, closed connection, …
+        raise StoreUnavailableError(f"{where}: {type(exc).__name__}: {exc}") from exc
+    except OSError as exc:
+        raise StoreUnavailableError(f"{where}: {exc}") from exc
+
+
+def _url(url: str | URL) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError as exc:
+        raise ConfigurationError(f"not a database URL: {exc}") from exc
+
+
+def _sync_url(url: URL) -> URL:
+    """Bare scheme → the driver idemq is tested with (psycopg 3, PyMySQL)."""
+    drivers = {
+        "postgresql": "postgresql+psycopg",
+        "mysql": "mysql+pymysql",
+        "mariadb": "mariadb+pymysql",
+    }
+    return url.set(drivername=drivers.get(url.drivername, url.drivername))
+
+
+def _async_url(url: URL) -> URL:
+    backend = url.get_backend_name()
+    drivers = {
+        "postgresql": "postgresql+psycopg",
+        "mysql": "mysql+asyncmy",
+        "mariadb": "mariadb+asyncmy",
+        "sqlite": "sqlite+aiosqlite",
+    }
+    if url.get_driver_name() in ("psycopg", "asyncpg", "asyncmy", "aiomysql", "aiosqlite"):
+        return url
+    return url.set(drivername=drivers.get(backend, url.drivername))
+
+
+def _prepare_sqlite(engine: Engine) -> None:
+    """WAL, a busy timeout, and ``BEGIN IMMEDIATE``.
+
+    pysqlite's own transaction handling begins lazily and would let two writers both read, then
+    deadlock upgrading to write (``database is locked``). Taking the write lock at BEGIN makes
+    racing claims queue behind each other instead; it also makes SAVEPOINT work.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class _SqlBase:
+    """What the sync and async stores share: URL, table, plans, schema, safe repr."""
+
+    def __init__(
+        self,
+        url: URL,
+        table: str,
+        schema: str | None,
+        dialect: sa.Dialect,
+        mysql_flavor: str | None,
+    ) -> None:
+        if not table.replace("_", "").isalnum():
+            raise ConfigurationError(f"table name must be letters, digits and '_': {table!r}")
+        self.table = build_table(table, schema=schema)
+        self.url = url
+        self._dialect = dialect
+        self._mysql_flavor = mysql_flavor
+        self._ops: Ops | None = None
+        self.where = f"{url.render_as_string(hide_password=True)} table {table}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.where!r})"
+
+    def _ops_for(self, dialect: sa.Dialect) -> Ops:
+        # Built on first use: MariaDB vs MySQL is only known once a connection saw the server.
+        if self._ops is None:
+            quoted = dialect.identifier_preparer.format_table(self.table)
+            self._ops = ops_for(dialect, quoted, mysql_flavor=self._mysql_flavor)
+        return self._ops
+
+    def _ddl_table(self, dialect: sa.Dialect) -> sa.Table:
+        return build_table(
+            self.table.name, schema=self.table.schema, mysql_collation=collation_for(dialect)
+        )
+
+
+def _run(conn: Connection, plan: Plan) -> Any:
+    try:
+        step = next(plan)
+        while True:
+            sql, params = step
+            cursor = conn.exec_driver_sql(sql, params)
+            rows = [tuple(r) for r in cursor.fetchall()] if cursor.returns_rows else []
+            step = plan.send(Reply(rows, cursor.rowcount))
+    except StopIteration as stop:
+        return stop.value
+
+
+async def _arun(conn: AsyncConnection, plan: Plan) -> Any:
+    try:
+        step = next(plan)
+        while True:
+            sql, params = step
+            cursor = await conn.exec_driver_sql(sql, params)
+            rows = [tuple(r) for r in cursor.fetchall()] if cursor.returns_rows else []
+            step = plan.send(Reply(rows, cursor.rowcount))
+    except StopIteration as stop:
+        return stop.value
+
+
+class SqlStore(_SqlBase):
+    """The dedup table in a SQL database, for ``Idempotency`` in transactional or lease mode.
+
+    ``url``: an SQLAlchemy URL (``sqlite:///idemq.db``, ``postgresql+psycopg://…``,
+    ``mysql+pymysql://…``) or an existing :class:`~sqlalchemy.engine.Engine`.
+    """
+
+    def __init__(
+        self,
+        url: str | URL | Engine = DEFAULT_URL,
+        *,
+        table: str = DEFAULT_TABLE,
+        schema: str | None = None,
+        mysql_flavor: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if isinstance(url, Engine):
+            self.engine = url
+        else:
+            parsed = _sync_url(_url(url))
+            try:
+                self.engine = sa.create_engine(parsed, **engine_kwargs)
+            except (ArgumentError, NoSuchModuleError, ImportError) as exc:
+                raise ConfigurationError(f"cannot use {parsed.drivername!r}: {exc}") from exc
+            if self.engine.dialect.name == "sqlite":
+                _prepare_sqlite(self.engine)
+        super().__init__(self.engine.url, table, schema, self.engine.dialect, mysql_flavor)
+
+    # -- schema ------------------------------------------------------------------------------
+
+    def create_schema(self) -> None:
+        """Create the dedup table and its index if missing (safe to call twice)."""
+        with translate_errors(f"create_schema on {self.where}"), self.engine.begin() as conn:
+            self._ddl_table(conn.dialect).create(conn, checkfirst=True)
+
+    def drop_schema(self) -> None:
+        """Drop the dedup table (tests, teardown)."""
+        with translate_errors(f"drop_schema on {self.where}"), self.engine.begin() as conn:
+            self.table.drop(conn, checkfirst=True)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _exec(self, conn: Connection, plan_of: Any, *args: Any, what: str) -> Any:
+        with translate_errors(f"{what} on {self.where}"):
+            return _run(conn, plan_of(self._ops_for(conn.dialect), *args))
+
+    def _short(self, plan_of: Any, *args: Any, what: str) -> Any:
+        """One primitive in its own short transaction (lease mode and inspection)."""
+        with translate_errors(f"{what} on {self.where}"), self.engine.begin() as conn:
+            return _run(conn, plan_of(self._ops_for(conn.dialect), *args))
+
+    @contextmanager
+    def transaction(self, connection: Any = None) -> Iterator[Connection]:
+        """A transaction for the claim and the business writes.
+
+        With ``connection`` (a ``Connection`` or ORM ``Session`` of yours): inside your open
+        transaction a SAVEPOINT (you commit); otherwise a transaction on it that commits here.
+        """
+        if connection is not None:
+            with self._join(connection) as conn:
+                yield conn
+            return
+        with translate_errors(f"begin on {self.where}"):
+            conn = self.engine.connect()
+            try:
+                trans = conn.begin()
+            except BaseException:
+                conn.close()
+                raise
+        try:
+            yield conn
+        except BaseException:
+            with translate_errors(f"rollback on {self.where}"):
+                trans.rollback()
+            raise
+        else:
+            with translate_errors(f"commit on {self.where}"):
+                trans.commit()
+        finally:
+            conn.close()
+
+    @contextmanager
+    def _join(self, connection: Any) -> Iterator[Connection]:
+        if isinstance(connection, Session):
+            with connection.begin_nested():
+                yield connection.connection()
+        elif isinstance(connection, Connection):
+            ctx = connection.begin_nested() if connection.in_transaction() else connection.begin()
+            with ctx:
+                yield connection
+        else:
+            raise ConfigurationError(
+                f"connection must be an SQLAlchemy Connection or Session, got {type(connection)}"
+            )
+
+    @contextmanager
+    def savepoint(self, tx: Connection) -> Iterator[Connection]:
+        """A SAVEPOINT inside ``tx`` (one batch message's writes)."""
+        with translate_errors(f"savepoint on {self.where}"):
+            nested = tx.begin_nested()
+        try:
+            yield tx
+        except BaseException:
+            with translate_errors(f"rollback to savepoint on {self.where}"):
+                nested.rollback()
+            raise
+        else:
+            with translate_errors(f"release savepoint on {self.where}"):
+                nested.commit()
+
+    # -- transactional primitives ------------------------------------------------------------
+
+    def claim_in(self, tx: Connection, request: ClaimRequest) -> Claim:
+        return self._exec(tx, Ops.claim, request, True, what="claim")  # type: ignore[no-any-return]
+
+    def claim_many_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        return self._exec(tx, Ops.claim_many, requests, True, what="claim_many")  # type: ignore[no-any-return]
+
+    def save_result_in(self, tx: Connection, key: Key, result: str) -> None:
+        self._exec(tx, Ops.save_result, key, result, what="save_result")
+
+    def release_in(self, tx: Connection, key: Key, owner: str) -> None:
+        self._exec(
+            tx, lambda ops, k, o: ops.release(k, o, transactional=True), key, owner, what="release"
+        )
+
+    # -- lease primitives --------------------------------------------------------------------
+
+    def claim(self, request: ClaimRequest) -> Claim:
+        return self._short(Ops.claim, request, False, what="claim")  # type: ignore[no-any-return]
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        return self._short(Ops.claim_many, requests, False, what="claim_many")  # type: ignore[no-any-return]
+
+    def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
+        if not self._short(Ops.complete, key, owner, result, now_ms, what="complete"):
+            raise LeaseLostError(
+                f"lease on {key.message_id!r} ({key.consumer}) was lost before complete"
+            )
+
+    def release(self, key: Key, owner: str) -> None:
+        self._short(Ops.release, key, owner, what="release")
+
+    # -- inspection and retention ------------------------------------------------------------
+
+    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        return self._short(Ops.get, Key(consumer, message_id), what="get")  # type: ignore[no-any-return]
+
+    def find(self, message_id: str) -> list[Record]:
+        return self._short(Ops.find, message_id, what="find")  # type: ignore[no-any-return]
+
+    def in_progress(self, *, limit: int = 100) -> list[Record]:
+        return self._short(Ops.in_progress, limit, what="in_progress")  # type: ignore[no-any-return]
+
+    def purge(
+        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
+    ) -> int:
+        """Delete PROCESSED rows older than ``older_than``, ``batch_size`` per transaction, so
+        no long lock is held; returns how many were deleted."""
+        cutoff = (now_ms if now_ms is not None else system_clock_ms()) - int(
+            older_than.total_seconds() * 1000
+        )
+        total = 0
+        while True:
+            deleted: int = self._short(Ops.purge_batch, cutoff, batch_size, what="purge")
+            total += deleted
+            if deleted < batch_size:
+                return total
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def schema_sql(dialect: str, *, table: str = DEFAULT_TABLE) -> str:
+    """The DDL of the dedup table for ``dialect`` (postgresql, mysql, mariadb, sqlite)."""
+    names = {"postgresql": "postgresql", "sqlite": "sqlite", "mysql": "mysql", "mariadb": "mariadb"}
+    if dialect not in names:
+        raise ConfigurationError(f"dialect must be one of {sorted(names)}, got {dialect!r}")
+    target = make_url(f"{names[dialect]}://").get_dialect()()
+    return ddl(target, build_table(table, mysql_collation=collation_for(target)))
+
+
+class AsyncSqlStore(_SqlBase):
+    """The asyncio twin of :class:`SqlStore` (psycopg 3 async, asyncmy, aiosqlite)."""
+
+    def __init__(
+        self,
+        url: str | URL | AsyncEngine = DEFAULT_URL,
+        *,
+        table: str = DEFAULT_TABLE,
+        schema: str | None = None,
+        mysql_flavor: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if isinstance(url, AsyncEngine):
+            self.engine = url
+        else:
+            parsed = _async_url(_url(url))
+            try:
+                self.engine = create_async_engine(parsed, **engine_kwargs)
+            except (ArgumentError, NoSuchModuleError, ImportError) as exc:
+                raise ConfigurationError(f"cannot use {parsed.drivername!r}: {exc}") from exc
+            if self.engine.dialect.name == "sqlite":
+                _prepare_sqlite(self.engine.sync_engine)
+        super().__init__(self.engine.url, table, schema, self.engine.dialect, mysql_flavor)
+
+    async def create_schema(self) -> None:
+        with translate_errors(f"create_schema on {self.where}"):
+            async with self.engine.begin() as conn:
+                await conn.run_sync(
+                    lambda sync: self._ddl_table(sync.dialect).create(sync, checkfirst=True)
+                )
+
+    async def drop_schema(self) -> None:
+        with translate_errors(f"drop_schema on {self.where}"):
+            async with self.engine.begin() as conn:
+                await conn.run_sync(lambda sync: self.table.drop(sync, checkfirst=True))
+
+    async def _exec(self, conn: AsyncConnection, plan_of: Any, *args: Any, what: str) -> Any:
+        with translate_errors(f"{what} on {self.where}"):
+            return await _arun(conn, plan_of(self._ops_for(conn.dialect), *args))
+
+    async def _short(self, plan_of: Any, *args: Any, what: str) -> Any:
+        with translate_errors(f"{what} on {self.where}"):
+            async with self.engine.begin() as conn:
+                return await _arun(conn, plan_of(self._ops_for(conn.dialect), *args))
+
+    @asynccontextmanager
+    async def transaction(self, connection: Any = None) -> AsyncIterator[AsyncConnection]:
+        """See :meth:`SqlStore.transaction` (``connection``: an ``AsyncConnection``)."""
+        if connection is not None:
+            if not isinstance(connection, AsyncConnection):
+                raise ConfigurationError(
+                    f"connection must be an SQLAlchemy AsyncConnection, got {type(connection)}"
+                )
+            ctx = connection.begin_nested() if connection.in_transaction() else connection.begin()
+            async with ctx:
+                yield connection
+            return
+        with translate_errors(f"begin on {self.where}"):
+            conn = await self.engine.connect()
+            try:
+                trans = await conn.begin()
+            except BaseException:
+                await conn.close()
+                raise
+        try:
+            yield conn
+        except BaseException:
+            with translate_errors(f"rollback on {self.where}"):
+                await trans.rollback()
+            raise
+        else:
+            with translate_errors(f"commit on {self.where}"):
+                await trans.commit()
+        finally:
+            await conn.close()
+
+    @asynccontextmanager
+    async def savepoint(self, tx: AsyncConnection) -> AsyncIterator[AsyncConnection]:
+        with translate_errors(f"savepoint on {self.where}"):
+            nested = await tx.begin_nested()
+        try:
+            yield tx
+        except BaseException:
+            with translate_errors(f"rollback to savepoint on {self.where}"):
+                await nested.rollback()
+            raise
+        else:
+            with translate_errors(f"release savepoint on {self.where}"):
+                await nested.commit()
+
+    async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
+        return await self._exec(tx, Ops.claim, request, True, what="claim")  # type: ignore[no-any-return]
+
+    async def claim_many_in(
+        self, tx: AsyncConnection, requests: Sequence[ClaimRequest]
+    ) -> list[Claim]:
+        return await self._exec(tx, Ops.claim_many, requests, True, what="claim_many")  # type: ignore[no-any-return]
+
+    async def save_result_in(self, tx: AsyncConnection, key: Key, result: str) -> None:
+        await self._exec(tx, Ops.save_result, key, result, what="save_result")
+
+    async def release_in(self, tx: AsyncConnection, key: Key, owner: str) -> None:
+        await self._exec(
+            tx, lambda ops, k, o: ops.release(k, o, transactional=True), key, owner, what="release"
+        )
+
+    async def claim(self, request: ClaimRequest) -> Claim:
+        return await self._short(Ops.claim, request, False, what="claim")  # type: ignore[no-any-return]
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        return await self._short(Ops.claim_many, requests, False, what="claim_many")  # type: ignore[no-any-return]
+
+    async def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
+        if not await self._short(Ops.complete, key, owner, result, now_ms, what="complete"):
+            raise LeaseLostError(
+                f"lease on {key.message_id!r} ({key.consumer}) was lost before complete"
+            )
+
+    async def release(self, key: Key, owner: str) -> None:
+        await self._short(Ops.release, key, owner, what="release")
+
+    async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        return await self._short(Ops.get, Key(consumer, message_id), what="get")  # type: ignore[no-any-return]
+
+    async def find(self, message_id: str) -> list[Record]:
+        return await self._short(Ops.find, message_id, what="find")  # type: ignore[no-any-return]
+
+    async def in_progress(self, *, limit: int = 100) -> list[Record]:
+        return await self._short(Ops.in_progress, limit, what="in_progress")  # type: ignore[no-any-return]
+
+    async def purge(
+        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
+    ) -> int:
+        cutoff = (now_ms if now_ms is not None else system_clock_ms()) - int(
+            older_than.total_seconds() * 1000
+        )
+        total = 0
+        while True:
+            deleted: int = await self._short(Ops.purge_batch, cutoff, batch_size, what="purge")
+            total += deleted
+            if deleted < batch_size:
+                return total
+
+    async def close(self) -> None:
+        await self.engine.dispose()

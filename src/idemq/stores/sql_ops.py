@@ -1,0 +1,390 @@
+"""The SQL of every store primitive, per dialect, written once as I/O-free *plans*.
+
+A plan is a generator that yields ``(sql, params)`` steps and receives each step's :class:`Reply`;
+its return value is the primitive's answer. :class:`~idemq.stores.sql.SqlStore` runs plans on a
+sync connection and :class:`~idemq.stores.sql.AsyncSqlStore` on an async one, so the two cannot
+drift apart. Hot-path statements are plain SQL text run with ``exec_driver_sql``: SQLAlchemy's
+compiler stays out of the per-message path (see ``bench/sql_guard.py``).
+
+Every claim is one atomic statement on the server (plus a read when it lost):
+
+==========  ================================================================================
+PostgreSQL  ``WITH ins AS (INSERT … ON CONFLICT DO NOTHING|UPDATE … RETURNING …) SELECT …``:
+            won or lost, one round trip.
+SQLite      ``INSERT … ON CONFLICT … RETURNING``; a lost claim reads the row (in-process: cheap).
+MariaDB     ``INSERT … ON DUPLICATE KEY UPDATE … RETURNING``: the row comes back either way;
+            this claim won iff the returned owner token is ours.
+MySQL       ``INSERT IGNORE`` (+ conditional takeover ``UPDATE``) then ``SELECT … FOR SHARE``.
+==========  ================================================================================
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Dialect
+
+from idemq.errors import StoreConflictError
+from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
+from idemq.stores.sql_schema import as_utc
+
+__all__ = ["Ops", "Plan", "Reply", "ops_for"]
+
+COLS = (
+    "consumer, message_id, status, business_id, payload_hash, result, owner, "
+    "lease_until_ms, attempts, created_time, processed_time"
+)
+INSERT_COLS = (
+    "consumer, message_id, business_id, status, payload_hash, result, owner, "
+    "lease_until_ms, attempts, processed_time, created_time"
+)
+KEY_WHERE = "consumer = :consumer AND message_id = :message_id"
+CLAIM_TRIES = 3  # a lost claim whose row vanished (released meanwhile) is claimed again
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a plan gets back for one statement."""
+
+    rows: list[tuple[Any, ...]]
+    rowcount: int
+
+
+Step = tuple[str, dict[str, Any]]
+Plan = Generator[Step, Reply, Any]
+
+
+def _record(row: Sequence[Any]) -> Record:
+    return Record(
+        consumer=row[0],
+        message_id=row[1],
+        status=RecordStatus(int(row[2])),
+        business_id=row[3],
+        payload_hash=row[4],
+        result=row[5],
+        owner=row[6],
+        lease_until_ms=None if row[7] is None else int(row[7]),
+        attempts=int(row[8]),
+        created_time=None if row[9] is None else as_utc(row[9]),
+        processed_time=None if row[10] is None else as_utc(row[10]),
+    )
+
+
+def _key_params(key: Key) -> dict[str, Any]:
+    return {"consumer": key.consumer, "message_id": key.message_id}
+
+
+class Ops:
+    """Portable SQL; dialects override the claim. ``table`` is the already-quoted table name."""
+
+    insert_ignore = (
+        "INSERT INTO {t} ({cols}) VALUES {values} ON CONFLICT (consumer, message_id) DO NOTHING"
+    )
+    lock_suffix = ""  # MySQL reads the latest committed row with a locking read
+
+    def __init__(self, table: str, *, pyformat: bool) -> None:
+        self.table = table
+        self._pyformat = pyformat
+        t = table
+        self.sql_get = self.sql(f"SELECT {COLS} FROM {t} WHERE {KEY_WHERE}")
+        self.sql_get_locked = self.sql(
+            f"SELECT {COLS} FROM {t} WHERE {KEY_WHERE}{self.lock_suffix}"
+        )
+        self.sql_find = self.sql(
+            f"SELECT {COLS} FROM {t} WHERE message_id = :message_id ORDER BY consumer"
+        )
+        self.sql_in_progress = self.sql(
+            f"SELECT {COLS} FROM {t} WHERE status = 0 ORDER BY created_time LIMIT :limit"
+        )
+        self.sql_save_result = self.sql(f"UPDATE {t} SET result = :result WHERE {KEY_WHERE}")
+        self.sql_complete = self.sql(
+            f"UPDATE {t} SET status = 1, result = :result, processed_time = :now, "
+            f"lease_until_ms = NULL WHERE {KEY_WHERE} AND status = 0 AND owner = :owner"
+        )
+        self.sql_release = self.sql(
+            f"DELETE FROM {t} WHERE {KEY_WHERE} AND status = 0 AND owner = :owner"
+        )
+        self.sql_release_in = self.sql(f"DELETE FROM {t} WHERE {KEY_WHERE} AND owner = :owner")
+        self.sql_takeover = self.sql(
+            f"UPDATE {t} SET owner = :owner, lease_until_ms = :lease_until_ms, "
+            f"attempts = attempts + 1 WHERE {KEY_WHERE} AND status = 0 "
+            "AND lease_until_ms <= :now_ms"
+        )
+        self.sql_purge = self.sql(self.purge_template.format(t=t))
+
+    purge_template = (
+        "DELETE FROM {t} WHERE (consumer, message_id) IN (SELECT consumer, message_id FROM {t} "
+        "WHERE status = 1 AND processed_time < :cutoff LIMIT :limit)"
+    )
+
+    # -- rendering ---------------------------------------------------------------------------
+
+    def sql(self, text: str) -> str:
+        """``:name`` placeholders → the driver's style (``%(name)s`` for psycopg/PyMySQL)."""
+        if not self._pyformat:
+            return text
+        return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", text)
+
+    def timestamp(self, now_ms: int) -> Any:
+        """A naive-UTC DATETIME parameter (SQLite overrides: it stores text)."""
+        return datetime.fromtimestamp(now_ms / 1000, UTC).replace(tzinfo=None)
+
+    def claim_params(self, request: ClaimRequest, transactional: bool) -> dict[str, Any]:
+        """The new row: PROCESSED inside the business transaction, else PROCESSING with a lease."""
+        now = self.timestamp(request.now_ms)
+        return {
+            **_key_params(request.key),
+            "business_id": request.business_id,
+            "status": int(RecordStatus.PROCESSED if transactional else RecordStatus.PROCESSING),
+            "payload_hash": request.payload_hash,
+            # "null" = encode_result(None): a handler returning None needs no second statement
+            "result": "null" if transactional else None,
+            "owner": request.owner,
+            "lease_until_ms": None if transactional else request.lease_until_ms,
+            "processed_time": now if transactional else None,
+            "created_time": now,
+            "now_ms": request.now_ms,
+        }
+
+    _VALUES = (
+        "(:consumer, :message_id, :business_id, :status, :payload_hash, :result, :owner, "
+        ":lease_until_ms, 1, :processed_time, :created_time)"
+    )
+
+    # -- claims ------------------------------------------------------------------------------
+
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
+        """Generic claim (MySQL): insert-ignore, conditional takeover, then read the winner."""
+        params = self.claim_params(request, transactional)
+        insert = self.sql(
+            self.insert_ignore.format(t=self.table, cols=INSERT_COLS, values=self._VALUES)
+        )
+        for _ in range(CLAIM_TRIES):
+            if (yield insert, params).rowcount == 1:
+                return Claim.won()
+            if not transactional and (yield self.sql_takeover, params).rowcount == 1:
+                return Claim.won()
+            reply = yield self.sql_get_locked, _key_params(request.key)
+            if reply.rows:
+                return Claim.lost_to(_record(reply.rows[0]))
+        raise StoreConflictError("the record kept vanishing while being claimed")
+
+    def claim_many(self, requests: Sequence[ClaimRequest], transactional: bool) -> Plan:
+        """One multi-row insert-ignore and one read for the whole batch (rare cases: per row)."""
+        if not requests:
+            return []
+        # Insert in key order so concurrent overlapping batches lock rows in the same order
+        # instead of deadlocking.
+        ordered = sorted(requests, key=lambda r: r.key.message_id)
+        params: dict[str, Any] = {}
+        values = []
+        for i, request in enumerate(ordered):
+            row = self.claim_params(request, transactional)
+            values.append(
+                "("
+                + ", ".join(
+                    f":{name}{i}"
+                    for name in (
+                        "consumer",
+                        "message_id",
+                        "business_id",
+                        "status",
+                        "payload_hash",
+                        "result",
+                        "owner",
+                        "lease_until_ms",
+                    )
+                )
+                + f", 1, :processed_time{i}, :created_time{i})"
+            )
+            params.update({f"{name}{i}": value for name, value in row.items()})
+        insert = self.insert_ignore.format(t=self.table, cols=INSERT_COLS, values=", ".join(values))
+        inserted = (yield self.sql(insert), params).rowcount
+        if inserted == len(requests) and transactional:
+            return [Claim.won()] * len(requests)
+        ids = {f"m{i}": r.key.message_id for i, r in enumerate(requests)}
+        select = (
+            f"SELECT {COLS} FROM {self.table} WHERE consumer = :consumer AND message_id IN "
+            f"({', '.join(':' + name for name in ids)}){self.lock_suffix}"
+        )
+        reply = yield self.sql(select), {"consumer": requests[0].key.consumer, **ids}
+        found = {row[1]: _record(row) for row in reply.rows}
+        claims = []
+        for request in requests:
+            record = found.get(request.key.message_id)
+            if record is not None and record.owner == request.owner:
+                claims.append(Claim.won())
+            elif record is None or (not transactional and record.lease_expired(request.now_ms)):
+                claims.append((yield from self.claim(request, transactional)))
+            else:
+                claims.append(Claim.lost_to(record))
+        return claims
+
+    # -- the other primitives ----------------------------------------------------------------
+
+    def save_result(self, key: Key, result: str) -> Plan:
+        yield self.sql_save_result, {**_key_params(key), "result": result}
+
+    def complete(self, key: Key, owner: str, result: str, now_ms: int) -> Plan:
+        params = {
+            **_key_params(key),
+            "owner": owner,
+            "result": result,
+            "now": self.timestamp(now_ms),
+        }
+        return (yield self.sql_complete, params).rowcount == 1
+
+    def release(self, key: Key, owner: str, *, transactional: bool = False) -> Plan:
+        sql = self.sql_release_in if transactional else self.sql_release
+        yield sql, {**_key_params(key), "owner": owner}
+
+    def get(self, key: Key) -> Plan:
+        reply = yield self.sql_get, _key_params(key)
+        return _record(reply.rows[0]) if reply.rows else None
+
+    def find(self, message_id: str) -> Plan:
+        reply = yield self.sql_find, {"message_id": message_id}
+        return [_record(row) for row in reply.rows]
+
+    def in_progress(self, limit: int) -> Plan:
+        reply = yield self.sql_in_progress, {"limit": limit}
+        return [_record(row) for row in reply.rows]
+
+    def purge_batch(self, cutoff_ms: int, limit: int) -> Plan:
+        reply = yield self.sql_purge, {"cutoff": self.timestamp(cutoff_ms), "limit": limit}
+        return reply.rowcount
+
+
+class PostgresOps(Ops):
+    """One round trip per claim, won or lost (see the module table)."""
+
+    def __init__(self, table: str, *, pyformat: bool) -> None:
+        super().__init__(table, pyformat=pyformat)
+        upsert = (
+            f"INSERT INTO {table} AS cur ({INSERT_COLS}) VALUES {self._VALUES} "
+            "ON CONFLICT (consumer, message_id) DO {action} RETURNING {cols}"
+        )
+        takeover = (
+            "UPDATE SET owner = EXCLUDED.owner, lease_until_ms = EXCLUDED.lease_until_ms, "
+            "attempts = cur.attempts + 1 WHERE cur.status = 0 AND cur.lease_until_ms <= :now_ms"
+        )
+        cte = (
+            "WITH ins AS ({insert}) SELECT {cols}, 1 FROM ins UNION ALL "
+            f"SELECT {COLS}, 0 FROM {table} WHERE {KEY_WHERE} AND NOT EXISTS (SELECT 1 FROM ins)"
+        )
+        cur_cols = ", ".join(f"cur.{c.strip()}" for c in COLS.split(","))
+        self.sql_claim = {
+            transactional: self.sql(
+                cte.format(
+                    insert=upsert.format(
+                        action="NOTHING" if transactional else takeover, cols=cur_cols
+                    ),
+                    cols=COLS,
+                )
+            )
+            for transactional in (True, False)
+        }
+
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
+        params = self.claim_params(request, transactional)
+        for _ in range(CLAIM_TRIES):
+            reply = yield self.sql_claim[transactional], params
+            if reply.rows:
+                row = reply.rows[0]
+                return Claim.won() if row[-1] == 1 else Claim.lost_to(_record(row))
+            # The conflicting row was committed while we waited for its lock: it is newer than
+            # this statement's snapshot. A fresh statement sees it.
+            reply = yield self.sql_get, _key_params(request.key)
+            if reply.rows:
+                return Claim.lost_to(_record(reply.rows[0]))
+        raise StoreConflictError("the record kept vanishing while being claimed")
+
+
+class SqliteOps(Ops):
+    """``INSERT … ON CONFLICT … RETURNING``; SQLite stores DATETIME as text."""
+
+    def __init__(self, table: str, *, pyformat: bool) -> None:
+        super().__init__(table, pyformat=pyformat)
+        upsert = (
+            f"INSERT INTO {table} ({INSERT_COLS}) VALUES {self._VALUES} "
+            "ON CONFLICT (consumer, message_id) DO {action} RETURNING owner"
+        )
+        takeover = (
+            "UPDATE SET owner = excluded.owner, lease_until_ms = excluded.lease_until_ms, "
+            f"attempts = {table}.attempts + 1 "
+            f"WHERE {table}.status = 0 AND {table}.lease_until_ms <= :now_ms"
+        )
+        self.sql_claim = {
+            transactional: self.sql(upsert.format(action="NOTHING" if transactional else takeover))
+            for transactional in (True, False)
+        }
+
+    def timestamp(self, now_ms: int) -> Any:
+        # SQLAlchemy's SQLite DateTime text format, so Core readers parse what we write.
+        return super().timestamp(now_ms).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
+        params = self.claim_params(request, transactional)
+        for _ in range(CLAIM_TRIES):
+            if (yield self.sql_claim[transactional], params).rows:
+                return Claim.won()
+            reply = yield self.sql_get, _key_params(request.key)
+            if reply.rows:
+                return Claim.lost_to(_record(reply.rows[0]))
+        raise StoreConflictError("the record kept vanishing while being claimed")
+
+
+class MySqlOps(Ops):
+    """MySQL 8: the generic insert-ignore plan with locking reads; LIMIT-ed DELETE for purge."""
+
+    insert_ignore = "INSERT IGNORE INTO {t} ({cols}) VALUES {values}"
+    lock_suffix = " LOCK IN SHARE MODE"
+    purge_template = (
+        "DELETE FROM {t} WHERE status = 1 AND processed_time < :cutoff "
+        "ORDER BY processed_time LIMIT :limit"
+    )
+
+
+class MariaDbOps(MySqlOps):
+    """MariaDB ≥ 10.5: ``INSERT … ON DUPLICATE KEY UPDATE … RETURNING`` claims in one statement."""
+
+    def __init__(self, table: str, *, pyformat: bool) -> None:
+        super().__init__(table, pyformat=pyformat)
+        upsert = (
+            f"INSERT INTO {table} ({INSERT_COLS}) VALUES {self._VALUES} ON DUPLICATE KEY UPDATE "
+        )
+        # Assignments run left to right and see earlier ones: owner changes first, and only
+        # when the lease expired; the other columns follow the owner, so the takeover is all or
+        # nothing within one row lock.
+        takeover = (
+            "owner = IF(status = 0 AND lease_until_ms <= :now_ms, VALUES(owner), owner), "
+            "attempts = IF(owner = VALUES(owner), attempts + 1, attempts), "
+            "lease_until_ms = IF(owner = VALUES(owner), VALUES(lease_until_ms), lease_until_ms)"
+        )
+        self.sql_claim = {
+            True: self.sql(upsert + f"attempts = attempts RETURNING {COLS}"),
+            False: self.sql(upsert + takeover + f" RETURNING {COLS}"),
+        }
+
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
+        reply = yield self.sql_claim[transactional], self.claim_params(request, transactional)
+        record = _record(reply.rows[0])
+        return Claim.won() if record.owner == request.owner else Claim.lost_to(record)
+
+
+def ops_for(dialect: Dialect, table: str, *, mysql_flavor: str | None = None) -> Ops:
+    """The plans for ``dialect``; ``mysql_flavor`` ("mysql"/"mariadb") overrides detection."""
+    pyformat = dialect.paramstyle in ("pyformat", "format")
+    if dialect.name == "postgresql":
+        return PostgresOps(table, pyformat=pyformat)
+    if dialect.name == "sqlite":
+        return SqliteOps(table, pyformat=pyformat)
+    if dialect.name in ("mysql", "mariadb"):
+        flavor = mysql_flavor or ("mariadb" if getattr(dialect, "is_mariadb", False) else "mysql")
+        cls = MariaDbOps if flavor == "mariadb" else MySqlOps
+        return cls(table, pyformat=pyformat)
+    return Ops(table, pyformat=pyformat)

@@ -1,0 +1,147 @@
+"""The ``message_idempotent`` table, defined once for every SQL dialect.
+
+Keys must be *exact* on every backend: ``"Case"``/``"case"``, ``"pad"``/``"pad "`` and
+``"é"``/``"e\\u0301"`` are different messages. PostgreSQL and SQLite compare bytes by default;
+MySQL/MariaDB do not (case-insensitive, PAD SPACE collations), so the key columns there get a
+binary NO PAD collation — otherwise two different messages would share one dedup row and the
+second one's effect would silently never happen.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Dialect,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects import mysql
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.types import TypeDecorator
+
+__all__ = ["DEFAULT_TABLE", "UtcDateTime", "as_utc", "build_table", "collation_for", "ddl"]
+
+DEFAULT_TABLE = "message_idempotent"
+
+# MariaDB and MySQL 8 spell "binary, no padding" differently.
+MARIADB_KEY_COLLATION = "utf8mb4_nopad_bin"
+MYSQL_KEY_COLLATION = "utf8mb4_0900_bin"
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Stored as a naive UTC ``DATETIME`` (the seed's type), always read back as aware UTC."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(DateTime())
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else as_utc(value)
+
+
+class UtcNow(FunctionElement[datetime]):
+    """``CURRENT_TIMESTAMP``, with MySQL's required precision for ``DATETIME(6)``."""
+
+    type = DateTime()
+    inherit_cache = True
+    name = "utc_now"
+
+
+@compiles(UtcNow)
+def _now_default(element: UtcNow, compiler: Any, **kw: Any) -> str:
+    return "CURRENT_TIMESTAMP"
+
+
+@compiles(UtcNow, "mysql")
+@compiles(UtcNow, "mariadb")
+def _now_mysql(element: UtcNow, compiler: Any, **kw: Any) -> str:
+    return "CURRENT_TIMESTAMP(6)"
+
+
+def as_utc(value: datetime | str) -> datetime:
+    """A naive-UTC datetime (or SQLite's text form of one) as an aware UTC datetime."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _key(length: int, collation: str | None) -> Any:
+    if collation is None:
+        return String(length)
+    return String(length).with_variant(
+        mysql.VARCHAR(length, charset="utf8mb4", collation=collation), "mysql", "mariadb"
+    )
+
+
+def build_table(
+    name: str = DEFAULT_TABLE,
+    *,
+    schema: str | None = None,
+    metadata: MetaData | None = None,
+    mysql_collation: str | None = MARIADB_KEY_COLLATION,
+) -> Table:
+    """The dedup table: the seed's columns plus consumer scope, payload hash, result and lease."""
+    return Table(
+        name,
+        metadata or MetaData(),
+        Column("consumer", _key(128, mysql_collation), primary_key=True),
+        Column("message_id", _key(128, mysql_collation), primary_key=True),
+        Column("business_id", String(64)),
+        # 0 = processing/unprocessed, 1 = processed (the seed's values)
+        Column("status", SmallInteger, nullable=False, server_default=text("0")),
+        Column("payload_hash", String(64)),  # sha256 hex of the first payload seen
+        Column("result", Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")),
+        Column("owner", String(32)),  # random token of the claim holder
+        Column("lease_until_ms", BigInteger),  # epoch ms; NULL once processed
+        Column("attempts", Integer, nullable=False, server_default=text("1")),
+        Column("processed_time", UtcDateTime()),
+        Column(
+            "created_time",
+            UtcDateTime(),
+            nullable=False,
+            server_default=UtcNow(),
+        ),
+        # purge (status=1 AND processed_time < cutoff) and stuck-lease scans (status=0)
+        Index(f"ix_{name}_status_time", "status", "processed_time"),
+        schema=schema,
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
+
+
+def ddl(dialect: Dialect, table: Table) -> str:
+    """``CREATE TABLE`` and ``CREATE INDEX`` statements for a DBA, as one SQL script."""
+    statements = [str(CreateTable(table).compile(dialect=dialect)).strip()]
+    statements += [
+        str(CreateIndex(index).compile(dialect=dialect)).strip() for index in table.indexes
+    ]
+    return ";\n\n".join(statements) + ";\n"
+
+
+def collation_for(dialect: Dialect) -> str | None:
+    """The binary NO PAD collation for this MySQL flavour (None elsewhere)."""
+    if dialect.name not in ("mysql", "mariadb"):
+        return None
+    return MARIADB_KEY_COLLATION if getattr(dialect, "is_mariadb", False) else MYSQL_KEY_COLLATION
