@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from redis import exceptions as rx
 
-from idemq.errors import ConfigurationError, StoreError, StoreUnavailableError
+from idemq.errors import ConfigurationError, IdemqError, StoreError, StoreUnavailableError
 
 __all__ = [
     "Batch",
@@ -74,7 +74,8 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class Pause:
-    """Sleep (``time.sleep`` / ``asyncio.sleep``) — only the lock's polling uses it."""
+    """Wait ``seconds`` (only the lock uses it: polling, renewal); the reply is ``True`` when the
+    wait was cut short because the owner asked to stop, else ``False``."""
 
     seconds: float
 
@@ -89,7 +90,14 @@ def drive(op: Op[T], execute: Callable[[Step], Any]) -> T:
     try:
         step = next(op)
         while True:
-            step = op.send(execute(step))
+            try:
+                reply = execute(step)
+            except IdemqError as exc:
+                # Translated failures go back into the operation, which may handle them (the
+                # lock's renewal loop tolerates an outage shorter than the TTL) or re-raise.
+                step = op.throw(exc)
+            else:
+                step = op.send(reply)
     except StopIteration as stop:
         result: T = stop.value
         return result
@@ -100,7 +108,12 @@ async def adrive(op: Op[T], execute: Callable[[Step], Awaitable[Any]]) -> T:
     try:
         step = next(op)
         while True:
-            step = op.send(await execute(step))
+            try:
+                reply = await execute(step)
+            except IdemqError as exc:
+                step = op.throw(exc)
+            else:
+                step = op.send(reply)
     except StopIteration as stop:
         result: T = stop.value
         return result
