@@ -118,9 +118,12 @@ def translate_db_error(error: exc.DBAPIError, doing: str) -> StoreError:
     ``__cause__``.
     """
     orig = error.orig
-    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    errno = orig.args[0] if orig is not None and orig.args else None
-    message = f"{doing} failed: {orig if orig is not None else error}"
+    sqlstate = getattr(orig, "sqlstate", None)
+    args = getattr(orig, "args", ())
+    errno = args[0] if args else None
+    # First line only: driver messages can run on with the statement and its parameters.
+    first_line = (str(orig).strip().splitlines() or [""])[0]
+    message = f"{doing} failed: {type(orig).__name__}: {first_line}"
     if sqlstate in _PG_RETRYABLE_SQLSTATES or errno in _MYSQL_RETRYABLE_ERRNOS:
         return StoreConflictError(message)
     if isinstance(error, exc.OperationalError) and "database is locked" in str(orig):
