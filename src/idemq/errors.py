@@ -11,6 +11,7 @@ public API: they are translated at the boundary and kept as ``__cause__``.
     │   ├── InvalidMessageIdError               id missing, not str, empty, > 128 chars, NUL …
     │   ├── InvalidBusinessIdError              business id not str, empty or > 64 chars
     │   ├── InvalidMessageError                 undecodable or malformed message body
+    │   ├── UnknownEventError                   StateMachine.apply with an event it does not know
     │   └── ResultNotSerializableError (TypeError)  handler result is not JSON-serializable
     ├── PayloadMismatchError                    same id seen before with another payload
     ├── ConfigurationError                      a mistake in how idemq was set up
@@ -47,6 +48,7 @@ __all__ = [
     "StoreConflictError",
     "StoreError",
     "StoreUnavailableError",
+    "UnknownEventError",
 ]
 
 
@@ -71,6 +73,14 @@ class InvalidBusinessIdError(InvalidInputError):
 
 class InvalidMessageError(InvalidInputError):
     """A message body cannot be decoded or lacks what the handler needs."""
+
+
+class UnknownEventError(InvalidInputError):
+    """``StateMachine.apply`` was called with an event that has no transition.
+
+    A ``ValueError`` (via :class:`InvalidInputError`): the event usually comes from a message
+    body, and a message naming an unknown event should be dead-lettered, not retried.
+    """
 
 
 class ResultNotSerializableError(InvalidInputError, TypeError):

@@ -39,26 +39,18 @@ from sqlalchemy import bindparam, or_, select, update
 
 from idemq._sqlident import Plan, check_columns, check_identifier, run_plan, run_plan_async
 from idemq._sqlident import table_clause as _table
-from idemq.errors import ConfigurationError, InvalidInputError
+from idemq.errors import ConfigurationError, InvalidInputError, UnknownEventError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
     from sqlalchemy.ext.asyncio import AsyncConnection
 
-__all__ = ["StateMachine", "Transition", "TransitionResult", "UnknownEventError"]
+__all__ = ["StateMachine", "Transition", "TransitionResult"]
 
 # A row whose state moves backwards (a "retry" edge) between our UPDATE and our SELECT can look
 # like a legal source state that the UPDATE nevertheless did not match; the UPDATE is then simply
 # tried again. Bounded, because it can only happen while another writer keeps flipping the row.
 _MAX_ATTEMPTS = 3
-
-
-class UnknownEventError(InvalidInputError):
-    """``apply`` was called with an event that has no transition.
-
-    An :class:`~idemq.InvalidInputError` (so a ``ValueError``): the event usually comes from a
-    message body, and a message naming an unknown event should be dead-lettered, not retried.
-    """
 
 
 class TransitionResult(enum.StrEnum):

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Connection, create_engine, text
 
-from idemq.errors import ConfigurationError, InvalidInputError
-from idemq.state_machine import StateMachine, TransitionResult, UnknownEventError
+from idemq.errors import ConfigurationError, InvalidInputError, UnknownEventError
+from idemq.state_machine import StateMachine, TransitionResult
 from idemq.versioned import versioned_update
 
 STATES = ["PENDING_PAYMENT", "PAYMENT_FAILED", "PAID", "SHIPPED"]
