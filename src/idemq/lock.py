@@ -15,9 +15,16 @@ Why the seed's lock (``SETNX lock:<id>`` … ``DEL lock:<id>``) is unsafe, and w
 The owner token stops A from *releasing or extending* B's lock; only the fencing token stops
 A's late *write*, because nothing a lock does can reach into a paused process. So a resource
 that matters must check the token: :func:`idemq.versioned_update` with ``fence=`` does it for a
-SQL row. ``auto_renew=True`` narrows the window (a watchdog extends the lock every ⅓ TTL) but
-cannot close it: a pause longer than the TTL still loses the lock, which the watchdog then
-reports through :attr:`RedisLock.lost` and ``on_lost``.
+SQL row (store tokens in a BIGINT column: they start from the server clock in microseconds, so
+they stay increasing even if the counter key is lost). ``auto_renew=True`` narrows the window
+(a watchdog extends the lock every ⅓ TTL) but cannot close it: a pause longer than the TTL
+still loses the lock, which the watchdog then reports through :attr:`RedisLock.lost` and
+``on_lost``.
+
+``owned()`` is one Lua compare on the server (read-only, so a GET compared in Python would be
+equally safe; the script just keeps every token comparison in one place). A release whose reply
+is lost and which redis-py re-sends reports :class:`~idemq.LockNotOwnedError` although the lock
+was released: harmless, but do not read it as "someone stole it" without :attr:`lost`.
 
 Errors: Redis unreachable → :class:`~idemq.StoreUnavailableError`; release/extend of a lock not
 held → :class:`~idemq.LockNotOwnedError`. The sync and async classes share every script and
