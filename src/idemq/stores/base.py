@@ -136,8 +136,11 @@ class Store(Protocol):
     def in_progress(self, *, limit: int = 100) -> list[Record]:
         """PROCESSING records, oldest first (stuck leases are the expired ones)."""
 
-    def purge(self, older_than: timedelta, *, batch_size: int = 1000) -> int:
-        """Delete PROCESSED records older than ``older_than`` in bounded batches; return count."""
+    def purge(
+        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
+    ) -> int:
+        """Delete PROCESSED records older than ``older_than`` (relative to ``now_ms``, default
+        the wall clock) in bounded batches; return how many were deleted."""
 
     def close(self) -> None: ...
 
@@ -180,7 +183,9 @@ class AsyncStore(Protocol):
 
     async def in_progress(self, *, limit: int = 100) -> list[Record]: ...
 
-    async def purge(self, older_than: timedelta, *, batch_size: int = 1000) -> int: ...
+    async def purge(
+        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
+    ) -> int: ...
 
     async def close(self) -> None: ...
 
