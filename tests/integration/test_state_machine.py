@@ -336,3 +336,31 @@ def test_mixed_case_identifiers(db: Db) -> None:
             assert c.execute(select(t.c.St)).scalar_one() == "B"
     finally:
         md.drop_all(db.engine)
+
+
+def test_fencing_with_real_redis_lock_tokens(db: Db, redis_url: str) -> None:
+    # The token comes from idemq.RedisLock: a holder whose lock was taken over (here: released
+    # and re-acquired by someone else) carries an older token and is fenced off.
+    import redis  # noqa: PLC0415
+
+    from idemq.lock import RedisLock  # noqa: PLC0415
+
+    client = redis.Redis.from_url(redis_url)
+    name = unique("lock")
+    try:
+        stale = RedisLock(client, name, ttl_s=30)
+        assert stale.acquire(blocking=False)
+        old_token = stale.fencing_token
+        stale.release()
+        fresh = RedisLock(client, name, ttl_s=30)
+        assert fresh.acquire(blocking=False)
+        assert fresh.fencing_token > old_token
+        assert db.apply("pay", fence=fresh.fencing_token) is R.APPLIED
+        fresh.release()
+        assert db.apply("ship", fence=old_token) is R.FENCED
+        assert db.order() == ("PAID", fresh.fencing_token, None)
+    finally:
+        leftovers = client.keys(f"idemq:lock*{name}*")
+        if leftovers:
+            client.delete(*leftovers)
+        client.close()
