@@ -29,7 +29,7 @@ from sqlalchemy import (
     update,
 )
 
-from idemq.errors import ConfigurationError, StoreError
+from idemq.errors import ConfigurationError, StoreConflictError, StoreError
 from idemq.state_machine import StateMachine, TransitionResult
 from tests.conftest import unique
 
@@ -364,3 +364,33 @@ def test_fencing_with_real_redis_lock_tokens(db: Db, redis_url: str) -> None:
         if leftovers:
             client.delete(*leftovers)
         client.close()
+
+
+def test_lock_wait_timeout_is_a_retryable_conflict(db: Db) -> None:
+    # A writer stuck behind another transaction's row lock gives up as StoreConflictError (roll
+    # back, run the message again), not as a raw driver error.
+    quick_timeout = {
+        "sqlite": "",  # the busy timeout of the engine below
+        "postgresql": "SET lock_timeout = '200ms'",
+        "mysql": "SET SESSION innodb_lock_wait_timeout = 1",
+    }
+    backend = db.engine.dialect.name
+    impatient = (
+        create_engine(db.url, connect_args={"timeout": 0.2}) if backend == "sqlite" else db.engine
+    )
+    try:
+        with db.engine.connect() as holder, impatient.connect() as waiter:
+            holder_tx = holder.begin()
+            assert db.machine.apply(holder, "o1", "fail_payment") is R.APPLIED  # holds the lock
+            waiter_tx = waiter.begin()
+            if quick_timeout[backend]:
+                waiter.exec_driver_sql(quick_timeout[backend])
+            with pytest.raises(StoreConflictError) as info:
+                db.machine.apply(waiter, "o1", "pay")
+            assert info.value.__cause__ is not None
+            waiter_tx.rollback()
+            holder_tx.rollback()
+    finally:
+        if impatient is not db.engine:
+            impatient.dispose()
+    assert db.order()[0] == "PENDING_PAYMENT"
