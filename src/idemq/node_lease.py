@@ -60,6 +60,9 @@ class LeaseBackend(Protocol):
     def release(self, pool: str, node: str, owner: str, hold_ms: int) -> None:
         """Let the lease expire ``hold_ms`` from now if ``owner`` still holds it."""
 
+    def close(self) -> None:
+        """Free connections the backend opened itself."""
+
 
 class NodeLease:
     """A leased node id; use as a context manager (releases on exit) or call :meth:`close`.
@@ -158,6 +161,7 @@ class NodeLease:
             except StoreUnavailableError:
                 # Not fatal: the lease expires by itself after ttl_s.
                 logger.warning("could not release node %s of pool %s", self.node, self.pool)
+        self._backend.close()
 
     def __enter__(self) -> NodeLease:
         return self
@@ -218,6 +222,7 @@ def lease_node(
     release_hold_s: float = 1.0,
     sql_table: str = "idemq_node_lease",
     renew_in_background: bool = True,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> NodeLease:
     """Lease the first free node id of ``pool`` and keep it renewed in the background.
 
@@ -227,6 +232,7 @@ def lease_node(
     :class:`~idemq.ConfigurationError` when every node of the pool is held by a live process,
     :class:`~idemq.StoreUnavailableError` when the store cannot be reached. ``on_lost`` is
     called once if the lease is lost; ``close()`` frees the node ``release_hold_s`` later.
+    ``monotonic`` (seconds) times the local validity deadline; inject it to test expiry.
 
     Example::
 
@@ -241,17 +247,24 @@ def lease_node(
     if isinstance(backend, sa.Engine) or (
         isinstance(backend, str) and not backend.startswith(("redis://", "rediss://", "unix://"))
     ):
-        lease_backend = SqlLeaseBackend(sql_engine(backend), sql_table)
+        owns = isinstance(backend, str)
+        lease_backend = SqlLeaseBackend(sql_engine(backend), sql_table, owns_engine=owns)
     elif isinstance(backend, str) or hasattr(backend, "register_script"):
-        lease_backend = RedisLeaseBackend(redis_client(backend))
+        owns = isinstance(backend, str)
+        lease_backend = RedisLeaseBackend(redis_client(backend), owns_client=owns)
     else:
         raise ConfigurationError(
             f"lease_node needs a redis-py client, a SQLAlchemy Engine or a URL; got {backend!r}"
         )
     owner = _owner_token()
-    acquired_at_s = time.monotonic()
-    node = lease_backend.try_acquire(pool, names, owner, int(ttl_s * 1000))
+    acquired_at_s = monotonic()
+    try:
+        node = lease_backend.try_acquire(pool, names, owner, int(ttl_s * 1000))
+    except BaseException:
+        lease_backend.close()
+        raise
     if node is None:
+        lease_backend.close()
         raise ConfigurationError(
             f"all {len(names)} node ids of pool {pool!r} are leased by live processes; "
             "widen `nodes` or stop some processes"
@@ -265,5 +278,6 @@ def lease_node(
         acquired_at_s=acquired_at_s,
         on_lost=on_lost,
         release_hold_s=release_hold_s,
+        monotonic=monotonic,
         renew_in_background=renew_in_background,
     )

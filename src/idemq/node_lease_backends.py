@@ -47,10 +47,16 @@ _MGET_CHUNK = 500
 class RedisLeaseBackend:
     """Leases as keys ``idemq:node-lease:{pool}:{node}`` holding the owner token, with ``PX``."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, owns_client: bool = False) -> None:
         self._client = client
+        self._owns_client = owns_client
         self._renew = client.register_script(_RENEW_LUA)
         self._release = client.register_script(_RELEASE_LUA)
+
+    def close(self) -> None:
+        """Close the client if this backend created it (from a URL)."""
+        if self._owns_client:
+            self._client.close()
 
     @staticmethod
     def key(pool: str, node: str) -> str:
@@ -108,8 +114,11 @@ class SqlLeaseBackend:
     others see ``rowcount == 0`` and move on.
     """
 
-    def __init__(self, engine: sa.Engine, table: str = "idemq_node_lease") -> None:
+    def __init__(
+        self, engine: sa.Engine, table: str = "idemq_node_lease", *, owns_engine: bool = False
+    ) -> None:
         self.engine = engine
+        self._owns_engine = owns_engine
         self.table = sa.Table(
             table,
             sa.MetaData(),
@@ -125,6 +134,11 @@ class SqlLeaseBackend:
             # Concurrent starters race between the existence check and CREATE; losing is fine.
             if not sa.inspect(engine).has_table(table):
                 raise StoreUnavailableError(f"cannot create table {table!r}") from exc
+
+    def close(self) -> None:
+        """Dispose of the engine's connections if this backend created it (from a URL)."""
+        if self._owns_engine:
+            self.engine.dispose()
 
     def try_acquire(self, pool: str, nodes: list[str], owner: str, ttl_ms: int) -> str | None:
         """See :class:`idemq.node_lease.LeaseBackend`."""

@@ -133,8 +133,14 @@ class RedisTimestampStore:
 
     def __init__(self, client_or_url: Any, key: str) -> None:
         self.key = key
+        self._owns_client = isinstance(client_or_url, str)
         self._client = redis_client(client_or_url)
         self._advance = self._client.register_script(_ADVANCE_LUA)
+
+    def close(self) -> None:
+        """Close the client if this store created it from a URL."""
+        if self._owns_client:
+            self._client.close()
 
     def load(self) -> int | None:
         """See :meth:`LastTimestampStore.load`."""
@@ -159,6 +165,7 @@ class SqlTimestampStore:
         self, engine_or_url: sa.Engine | str, key: str, *, table: str = "idemq_id_timestamp"
     ):
         self.key = key
+        self._owns_engine = isinstance(engine_or_url, str)
         self.engine = sql_engine(engine_or_url)
         self.table = sa.Table(
             table,
@@ -172,6 +179,11 @@ class SqlTimestampStore:
             # Another process may have created it between the check and the CREATE.
             if not sa.inspect(self.engine).has_table(table):
                 raise StoreUnavailableError(f"cannot create table {table!r}") from exc
+
+    def close(self) -> None:
+        """Dispose of the engine if this store created it from a URL."""
+        if self._owns_engine:
+            self.engine.dispose()
 
     def load(self) -> int | None:
         """See :meth:`LastTimestampStore.load`."""
