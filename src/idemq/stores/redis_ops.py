@@ -11,7 +11,8 @@ glob-escaped anyway as a second line of defence.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -20,7 +21,7 @@ from urllib.parse import quote, unquote
 from idemq.errors import ConfigurationError, LeaseLostError, StoreError
 from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
 from idemq.stores.redis_io import Batch, Call, Op, RunScript, text
-from idemq.stores.redis_scripts import CLAIM, CLAIM_MANY, COMPLETE, PURGE, RELEASE
+from idemq.stores.redis_scripts import CLAIM, CLAIM_MANY, COMPLETE, FIELDS, PURGE, RELEASE
 
 __all__ = [
     "Layout",
@@ -97,33 +98,33 @@ def _datetime(ms: str | None) -> datetime | None:
 
 
 def parse_record(key: Key, reply: Any) -> Record | None:
-    """A :class:`Record` from HGETALL's reply (a dict, or a flat list when it came from Lua)."""
-    if not reply:
-        return None
-    if isinstance(reply, Mapping):
-        fields = {text(k): text(v) for k, v in reply.items()}
+    """A :class:`Record` from a claim's JSON reply or an HMGET of :data:`FIELDS` (None: absent)."""
+    if isinstance(reply, bytes | str):
+        values: list[str | None] = [v or None for v in json.loads(text(reply))]
     else:
-        items = [text(v) for v in reply]
-        fields = dict(zip(items[::2], items[1::2], strict=True))
+        values = [None if v is None else text(v) or None for v in reply]
+    s, owner, lease, attempts, created, processed, business_id, payload_hash, result = values
+    if s is None:
+        return None
     try:
-        status = RecordStatus(int(fields["s"]))
-        lease = fields.get("l")
+        status = RecordStatus(int(s))
         return Record(
             consumer=key.consumer,
             message_id=key.message_id,
             status=status,
-            business_id=fields.get("b") or None,
-            payload_hash=fields.get("h") or None,
-            result=fields.get("r") if status is RecordStatus.PROCESSED else None,
-            owner=fields.get("o") or None,
+            business_id=business_id,
+            payload_hash=payload_hash,
+            # A result is only ever written together with status 1, but keep the invariant local.
+            result=result if status is RecordStatus.PROCESSED else None,
+            owner=owner,
             lease_until_ms=int(lease) if lease and status is RecordStatus.PROCESSING else None,
-            attempts=int(fields.get("a") or 1),
-            created_time=_datetime(fields.get("c")),
-            processed_time=_datetime(fields.get("p")),
+            attempts=int(attempts or 1),
+            created_time=_datetime(created),
+            processed_time=_datetime(processed),
         )
-    except (KeyError, ValueError) as exc:
-        # Someone else's hash under our prefix, or a corrupted record: not a guess-able state.
-        raise StoreError(f"malformed idemq record for {key!r}: fields {sorted(fields)}") from exc
+    except ValueError as exc:
+        # Someone else's hash under our prefix, or a corrupted record: not a guessable state.
+        raise StoreError(f"malformed idemq record for {key!r}: {values[:6]!r}") from exc
 
 
 def _claim_args(layout: Layout, request: ClaimRequest) -> tuple[str | int, ...]:
@@ -144,7 +145,7 @@ def _claim_reply(key: Key, reply: Any) -> Claim:
     if reply == 1:
         return Claim.won()
     record = parse_record(key, reply)
-    if record is None:  # the script returns 1 or a non-empty hash; anything else is a bug
+    if record is None:  # the script returns 1 or an existing record; anything else is a bug
         raise StoreError(f"unexpected claim reply for {key!r}: {reply!r}")
     return Claim.lost_to(record)
 
@@ -183,7 +184,7 @@ def release(layout: Layout, key: Key, owner: str) -> Op[None]:
 
 
 def get(layout: Layout, key: Key) -> Op[Record | None]:
-    reply = yield Call(("HGETALL", layout.key(key)))
+    reply = yield Call(("HMGET", layout.key(key), *FIELDS))
     return parse_record(key, reply)
 
 
@@ -204,7 +205,7 @@ def _fetch(layout: Layout, raw_keys: Sequence[bytes | str]) -> Op[list[Record]]:
     records: list[Record] = []
     for start in range(0, len(pairs), _SCAN_COUNT):
         chunk = pairs[start : start + _SCAN_COUNT]
-        replies = yield Batch(tuple(("HGETALL", raw) for raw, _ in chunk))
+        replies = yield Batch(tuple(("HMGET", raw, *FIELDS) for raw, _ in chunk))
         for (_, key), reply in zip(chunk, replies, strict=True):
             record = parse_record(key, reply)  # None: expired or deleted since the SCAN
             if record is not None:

@@ -18,15 +18,33 @@ from __future__ import annotations
 
 from idemq.stores.redis_io import LuaScript
 
-__all__ = ["CLAIM", "CLAIM_ARGC", "CLAIM_MANY", "COMPLETE", "PURGE", "RELEASE"]
+__all__ = ["CLAIM", "CLAIM_ARGC", "CLAIM_MANY", "COMPLETE", "FIELDS", "PURGE", "RELEASE"]
 
 CLAIM_ARGC = 6
 """ARGV values per claimed message (CLAIM and CLAIM_MANY)."""
 
+# record(key): the record as ONE JSON array of strings in FIELDS order ('' = absent). One bulk
+# string instead of an 18-element HGETALL array: redis-py parses every array element in Python,
+# which made a duplicate's reply cost more than its round trip.
+_RECORD_FUNCTION = """
+local function record(key)
+  local v = redis.call('HMGET', key, 's', 'o', 'l', 'a', 'c', 'p', 'b', 'h', 'r')
+  for i = 1, 9 do
+    if not v[i] then v[i] = '' end
+  end
+  return cjson.encode(v)
+end
+"""
+
+FIELDS = ("s", "o", "l", "a", "c", "p", "b", "h", "r")
+"""Field order of :data:`_RECORD_FUNCTION`'s array (and of the HMGET that get/find send)."""
+
 # claim(key, owner, now_ms, lease_until_ms, gc_ms, business_id, payload_hash)
-# Returns 1 when `owner` now holds the record, else the record as a flat HGETALL array, so a
-# duplicate costs no second command.
-_CLAIM_FUNCTION = """
+# Returns 1 when `owner` now holds the record, else the record (see record()), so a duplicate
+# costs no second command.
+_CLAIM_FUNCTION = (
+    _RECORD_FUNCTION
+    + """
 local function claim(key, owner, now_ms, until_ms, gc_ms, business_id, payload_hash)
   local cur = redis.call('HMGET', key, 's', 'o', 'l', 'h')
   if not cur[1] then
@@ -54,9 +72,10 @@ local function claim(key, owner, now_ms, until_ms, gc_ms, business_id, payload_h
       return 1
     end
   end
-  return redis.call('HGETALL', key)
+  return record(key)
 end
 """
+)
 
 CLAIM = LuaScript(
     "claim",
@@ -65,7 +84,7 @@ CLAIM = LuaScript(
 -- KEYS[1] record hash
 -- ARGV[1] owner  ARGV[2] now_ms  ARGV[3] lease_until_ms  ARGV[4] gc_ms
 -- ARGV[5] business_id ('' = none)  ARGV[6] payload_hash ('' = none)
--- Returns 1 (claimed: fresh or takeover) or the existing record as a flat HGETALL array.
+-- Returns 1 (claimed: fresh or takeover) or the existing record as a JSON array (FIELDS).
 return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 """,
 )
@@ -76,7 +95,7 @@ CLAIM_MANY = LuaScript(
     + """
 -- KEYS[i] record hash of message i
 -- ARGV[6(i-1)+1 .. 6i] message i's owner, now_ms, lease_until_ms, gc_ms, business_id, hash
--- Returns an array, one entry per key in order: 1 or the existing record (flat HGETALL).
+-- Returns an array, one entry per key in order: 1 or the existing record (JSON array).
 local out = {}
 for i = 1, #KEYS do
   local j = (i - 1) * 6

@@ -1,0 +1,201 @@
+"""RedisStore throughput next to hand-written Redis loops and Powertools' Redis idempotency layer.
+
+Run:  python bench/redis_store.py [--url redis://127.0.0.1:6379/0] [-n 20000] [--rounds 3]
+
+Two passes per contender, each over N fresh message ids:
+* first pass  — a new message: claim, then mark done (idemq: claim + complete, two EVALSHA);
+* duplicates  — every id already done: the claim must answer "duplicate" (idemq: one EVALSHA
+  that returns the stored record, so the result can be replayed).
+Baselines: ``SET k P NX PX`` then ``SET k D XX EX`` (first pass), a bare ``SET k P NX``
+(duplicates). Powertools (``idempotent_function`` + its Redis layer) is measured when importable:
+install it into a separate venv, never into idemq's dependencies, and put both on the path, e.g.
+``PYTHONPATH=src /tmp/benchvenv/bin/python bench/redis_store.py``.
+All contenders share one client (one connection pool); each keeps the best of ``--rounds`` after
+a warm-up. Prints msg/s per contender and the ratios against the targets of issue 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+import idemq
+from idemq.stores.base import ClaimRequest, Key
+from idemq.stores.redis import RedisStore
+
+LEASE_MS = 30_000
+TTL_S = 3_600
+Loop = Callable[[list[str]], None]
+
+
+def bare_first(client: redis.Redis) -> Loop:
+    def loop(ids: list[str]) -> None:
+        for key in ids:
+            client.set(key, "P", nx=True, px=LEASE_MS)
+            client.set(key, '{"ok":true}', xx=True, ex=TTL_S)
+
+    return loop
+
+
+def bare_setnx(client: redis.Redis) -> Loop:
+    def loop(ids: list[str]) -> None:
+        for key in ids:
+            client.set(key, "P", nx=True, px=LEASE_MS)
+
+    return loop
+
+
+def idemq_primitives(store: RedisStore, duplicate: bool) -> Loop:
+    consumer = "bench"
+
+    def loop(ids: list[str]) -> None:
+        now_ms = time.time_ns() // 1_000_000
+        for n, message_id in enumerate(ids):
+            owner = f"w{n}"
+            request = ClaimRequest(Key(consumer, message_id), None, None, owner, now_ms, LEASE_MS)
+            claim = store.claim(request)
+            if claim.acquired:
+                store.complete(request.key, owner, '{"ok":true}', now_ms)
+            elif duplicate and (claim.record is None or claim.record.result is None):
+                raise AssertionError("duplicate pass did not see the stored result")
+
+    return loop
+
+
+def idemq_guard(store: RedisStore) -> Loop:
+    guard = idemq.Idempotency(store, consumer="bench-guard", mode="lease", lease_s=30)
+
+    def handler(tx: object) -> dict[str, bool]:
+        return {"ok": True}
+
+    def loop(ids: list[str]) -> None:
+        for message_id in ids:
+            guard.process(message_id, handler)
+
+    return loop
+
+
+def powertools(client: redis.Redis) -> Loop | None:
+    try:
+        from aws_lambda_powertools.utilities.idempotency import (  # noqa: PLC0415
+            IdempotencyConfig,
+            idempotent_function,
+        )
+        from aws_lambda_powertools.utilities.idempotency.persistence.cache import (  # noqa: PLC0415
+            CachePersistenceLayer,
+        )
+    except ImportError:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = CachePersistenceLayer(client=client, ssl=False)
+    config = IdempotencyConfig(expires_after_seconds=TTL_S)
+
+    @idempotent_function(
+        data_keyword_argument="order", persistence_store=layer, config=config, key_prefix="benchpt"
+    )
+    def handle(order: dict[str, str]) -> dict[str, bool]:
+        return {"ok": True}
+
+    def loop(ids: list[str]) -> None:
+        for message_id in ids:
+            handle(order={"id": message_id})
+
+    return loop
+
+
+def measure(client: redis.Redis, loop: Loop, n: int, rounds: int, prefill: Loop | None) -> float:
+    """Best msg/s over ``rounds`` runs of ``loop`` on N fresh ids (``prefill`` makes duplicates)."""
+    best = 0.0
+    warm = [f"benchwarm:{uuid.uuid4().hex}:{i}" for i in range(min(1000, n))]
+    (prefill or loop)(warm)
+    loop(warm)
+    _cleanup(client)
+    for _ in range(rounds):
+        tag = uuid.uuid4().hex[:8]
+        ids = [f"bench:{tag}:ORDER_{i:06d}" for i in range(n)]
+        if prefill is not None:
+            prefill(ids)
+        started = time.perf_counter()
+        loop(ids)
+        elapsed = time.perf_counter() - started
+        best = max(best, n / elapsed)
+        _cleanup(client)
+    return best
+
+
+def _cleanup(client: redis.Redis) -> None:
+    # Only this bench's own namespaces: the Redis may be shared with other runs.
+    for pattern in ("bench:*", "benchwarm:*", "idemqbench:*", "benchpt#*"):
+        batch: list[Any] = []
+        for key in client.scan_iter(match=pattern, count=5000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                client.unlink(*batch)
+                batch.clear()
+        if batch:
+            client.unlink(*batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("-n", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    client = redis.Redis.from_url(args.url)
+    client.ping()
+    store = RedisStore(client, prefix="idemqbench", ttl_s=TTL_S)
+    n, rounds = args.n, args.rounds
+    print(f"redis_store bench: N={n}, best of {rounds}, one shared client, {args.url}")
+
+    results: dict[str, float] = {}
+
+    def run(name: str, loop: Loop, prefill: Loop | None = None) -> None:
+        results[name] = measure(client, loop, n, rounds, prefill)
+        print(f"  {name:<34} {results[name]:>10,.0f} msg/s")
+
+    print("first pass (new messages):")
+    run("bare SET NX PX + SET XX EX", bare_first(client))
+    run("idemq RedisStore claim+complete", idemq_primitives(store, duplicate=False))
+    run("idemq Idempotency(lease)", idemq_guard(store))
+    pt = powertools(client)
+    if pt is not None:
+        run("powertools idempotent_function", pt)
+    print("duplicate pass (every message already done):")
+    run("bare SET NX", bare_setnx(client), prefill=bare_first(client))
+    dup = idemq_primitives(store, duplicate=True)
+    run("idemq RedisStore claim (dup)", dup, prefill=idemq_primitives(store, duplicate=False))
+    run("idemq Idempotency(lease) (dup)", idemq_guard(store), prefill=idemq_guard(store))
+    if pt is not None:
+        run("powertools (dup)", pt, prefill=pt)
+    else:
+        print("powertools: not installed (install aws-lambda-powertools in a separate venv)")
+
+    print("ratios (target):")
+
+    def ratio(a: str, b: str, target: float) -> None:
+        value = results[a] / results[b]
+        verdict = "ok" if value >= target else "BELOW TARGET"
+        print(f"  {a} / {b}: {value:.2f}x (>= {target}x) {verdict}")
+
+    ratio("idemq RedisStore claim+complete", "bare SET NX PX + SET XX EX", 0.85)
+    ratio("idemq Idempotency(lease)", "bare SET NX PX + SET XX EX", 0.85)
+    ratio("idemq RedisStore claim (dup)", "bare SET NX", 0.85)
+    ratio("idemq Idempotency(lease) (dup)", "bare SET NX", 0.85)
+    if pt is not None:
+        ratio("idemq RedisStore claim+complete", "powertools idempotent_function", 1.2)
+        ratio("idemq Idempotency(lease)", "powertools idempotent_function", 1.2)
+        ratio("idemq RedisStore claim (dup)", "powertools (dup)", 3.0)
+        ratio("idemq Idempotency(lease) (dup)", "powertools (dup)", 3.0)
+    client.close()
+
+
+if __name__ == "__main__":
+    main()
