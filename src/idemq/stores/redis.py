@@ -155,9 +155,12 @@ class RedisStore:
         """PROCESSING records, oldest first (SCAN over the prefix: for ops use)."""
         return drive(ops.in_progress(self._layout, limit), self._execute)
 
-    def purge(self, older_than: timedelta, *, batch_size: int = 1000) -> int:
-        """Delete PROCESSED records older than ``older_than`` now (they also expire by ttl)."""
-        cutoff_ms = self._clock() - older_than // timedelta(milliseconds=1)
+    def purge(
+        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
+    ) -> int:
+        """Delete PROCESSED records older than ``older_than`` at ``now_ms`` (default: the
+        store's clock), SCAN + one Lua call per ``batch_size`` keys; they also expire by ttl."""
+        cutoff_ms = _cutoff_ms(self._clock if now_ms is None else now_ms, older_than)
         return drive(ops.purge(self._layout, cutoff_ms, batch_size), self._execute)
 
     def close(self) -> None:
@@ -249,15 +252,22 @@ class AsyncRedisStore:
         """See :meth:`RedisStore.in_progress`."""
         return await adrive(ops.in_progress(self._layout, limit), self._execute)
 
-    async def purge(self, older_than: timedelta, *, batch_size: int = 1000) -> int:
+    async def purge(
+        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
+    ) -> int:
         """See :meth:`RedisStore.purge`."""
-        cutoff_ms = self._clock() - older_than // timedelta(milliseconds=1)
+        cutoff_ms = _cutoff_ms(self._clock if now_ms is None else now_ms, older_than)
         return await adrive(ops.purge(self._layout, cutoff_ms, batch_size), self._execute)
 
     async def close(self) -> None:
         """Close the client if this store created it from a URL."""
         if self._owns_client:
             await self._client.aclose()
+
+
+def _cutoff_ms(now: Clock | int, older_than: timedelta) -> int:
+    now_ms = now if isinstance(now, int) else now()
+    return now_ms - older_than // timedelta(milliseconds=1)
 
 
 def _action(step: Step) -> str:
