@@ -30,6 +30,7 @@ import idemq
 from idemq.brokers import open_broker
 from idemq.brokers.base import (
     Broker,
+    DeadLetter,
     Delivery,
     RetryPolicy,
     Verdict,
@@ -66,13 +67,16 @@ class Guard(Protocol):
     ) -> _Outcome: ...
 
 
-def open_guard(store_url: str, consumer: str) -> Guard:
+def open_guard(store_url: str, consumer: str) -> idemq.Idempotency:
     """An :class:`idemq.Idempotency` over the store at ``store_url`` (SQLAlchemy or redis URL).
 
     SQL stores run in transactional mode (schema created if missing); Redis in lease mode.
     """
     if store_url.startswith(("redis://", "rediss://", "unix://")):
-        redis_store = idemq.RedisStore(store_url)
+        # Imported here: redis is an optional extra, needed only for a Redis store.
+        from idemq.stores.redis import RedisStore  # noqa: PLC0415
+
+        redis_store = RedisStore(store_url)
         return idemq.Idempotency(redis_store, consumer=consumer, mode="lease")
     sql_store = idemq.SqlStore(store_url)
     sql_store.create_schema()
@@ -165,6 +169,8 @@ class Worker:
         """Run one delivery through the guard and settle it as :func:`decide` says."""
         verdict, detail = self._verdict(delivery)
         settlement = decide(verdict, delivery.delivery_attempt, self.policy, detail)
+        if isinstance(settlement, DeadLetter):
+            log.warning("dead-lettering %s: %s", delivery.describe(), settlement.reason)
         try:
             delivery.settle(settlement)
         except BrokerError:
@@ -264,7 +270,11 @@ def run_worker(
     """
     fn = load_handler(handler) if isinstance(handler, str) else handler
     guard = open_guard(store_url, consumer or queue)
-    broker = open_broker(broker_url)
+    try:
+        broker = open_broker(broker_url)
+    except BaseException:
+        guard.store.close()
+        raise
     worker = Worker(
         fn,
         broker,
@@ -278,11 +288,14 @@ def run_worker(
             f" concurrency={concurrency}"
         ),
     )
-    if on_start is not None:
-        on_start(worker)
-    if install_signal_handlers and threading.current_thread() is threading.main_thread():
-        return _run_with_signals(worker)
-    return worker.run()
+    try:
+        if on_start is not None:
+            on_start(worker)
+        if install_signal_handlers and threading.current_thread() is threading.main_thread():
+            return _run_with_signals(worker)
+        return worker.run()
+    finally:
+        guard.store.close()
 
 
 def _run_with_signals(worker: Worker) -> WorkerStats:

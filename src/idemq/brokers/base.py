@@ -295,7 +295,11 @@ class Broker(Protocol):
         ...
 
     def consume(self, queue: str, *, prefetch: int) -> Iterator[Delivery | None]:
-        """Deliveries from ``queue``; ``None`` whenever nothing arrived for a short while."""
+        """Deliveries from ``queue``; ``None`` whenever nothing arrived for a short while.
+
+        Closing the iterator only stops receiving: deliveries already handed out can still be
+        settled until :meth:`close` (so a graceful stop can ack what is in flight).
+        """
         ...
 
     def publish(
@@ -311,6 +315,10 @@ class Broker(Protocol):
 
     def dead_letter_queue(self, queue: str) -> str:
         """Where dead letters of ``queue`` go (readable with :meth:`consume`)."""
+        ...
+
+    def delete_queue(self, queue: str) -> None:
+        """Remove ``queue`` and its dead-letter destination with their messages (tests, tools)."""
         ...
 
     def close(self) -> None:

@@ -97,6 +97,12 @@ class EmbeddedBroker:
     def declare(self, queue: str) -> None:
         """Nothing to do: every queue of the file exists implicitly."""
 
+    def delete_queue(self, queue: str) -> None:
+        """Delete every message of ``queue`` and of its dead-letter queue."""
+        self._run(
+            "DELETE FROM idemq_queue WHERE queue IN (?, ?)", (queue, self.dead_letter_queue(queue))
+        )
+
     def dead_letter_queue(self, queue: str) -> str:
         """Dead letters of ``queue`` live in ``<queue>.dlq`` of the same file."""
         return f"{queue}.dlq"
