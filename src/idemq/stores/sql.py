@@ -223,14 +223,15 @@ class SqlStore(_SqlBase):
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _exec(self, conn: Connection, plan_of: Any, *args: Any, what: str) -> Any:
+    def _exec(self, conn: Connection, plan: str, *args: Any, what: str) -> Any:
+        """Run the plan ``Ops.<plan>(*args)`` of this dialect on ``conn``."""
         with translate_errors(f"{what} on {self.where}"):
-            return _run(conn, plan_of(self._ops_for(conn.dialect), *args))
+            return _run(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
-    def _short(self, plan_of: Any, *args: Any, what: str) -> Any:
+    def _short(self, plan: str, *args: Any, what: str) -> Any:
         """One primitive in its own short transaction (lease mode and inspection)."""
         with translate_errors(f"{what} on {self.where}"), self.engine.begin() as conn:
-            return _run(conn, plan_of(self._ops_for(conn.dialect), *args))
+            return _run(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
     @contextmanager
     def transaction(self, connection: Any = None) -> Iterator[Connection]:
@@ -294,46 +295,44 @@ class SqlStore(_SqlBase):
     # -- transactional primitives ------------------------------------------------------------
 
     def claim_in(self, tx: Connection, request: ClaimRequest) -> Claim:
-        return self._exec(tx, Ops.claim, request, True, what="claim")  # type: ignore[no-any-return]
+        return self._exec(tx, "claim", request, True, what="claim")  # type: ignore[no-any-return]
 
     def claim_many_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        return self._exec(tx, Ops.claim_many, requests, True, what="claim_many")  # type: ignore[no-any-return]
+        return self._exec(tx, "claim_many", requests, True, what="claim_many")  # type: ignore[no-any-return]
 
     def save_result_in(self, tx: Connection, key: Key, result: str) -> None:
-        self._exec(tx, Ops.save_result, key, result, what="save_result")
+        self._exec(tx, "save_result", key, result, what="save_result")
 
     def release_in(self, tx: Connection, key: Key, owner: str) -> None:
-        self._exec(
-            tx, lambda ops, k, o: ops.release(k, o, transactional=True), key, owner, what="release"
-        )
+        self._exec(tx, "release_in", key, owner, what="release")
 
     # -- lease primitives --------------------------------------------------------------------
 
     def claim(self, request: ClaimRequest) -> Claim:
-        return self._short(Ops.claim, request, False, what="claim")  # type: ignore[no-any-return]
+        return self._short("claim", request, False, what="claim")  # type: ignore[no-any-return]
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        return self._short(Ops.claim_many, requests, False, what="claim_many")  # type: ignore[no-any-return]
+        return self._short("claim_many", requests, False, what="claim_many")  # type: ignore[no-any-return]
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
-        if not self._short(Ops.complete, key, owner, result, now_ms, what="complete"):
+        if not self._short("complete", key, owner, result, now_ms, what="complete"):
             raise LeaseLostError(
                 f"lease on {key.message_id!r} ({key.consumer}) was lost before complete"
             )
 
     def release(self, key: Key, owner: str) -> None:
-        self._short(Ops.release, key, owner, what="release")
+        self._short("release", key, owner, what="release")
 
     # -- inspection and retention ------------------------------------------------------------
 
     def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
-        return self._short(Ops.get, Key(consumer, message_id), what="get")  # type: ignore[no-any-return]
+        return self._short("get", Key(consumer, message_id), what="get")  # type: ignore[no-any-return]
 
     def find(self, message_id: str) -> list[Record]:
-        return self._short(Ops.find, message_id, what="find")  # type: ignore[no-any-return]
+        return self._short("find", message_id, what="find")  # type: ignore[no-any-return]
 
     def in_progress(self, *, limit: int = 100) -> list[Record]:
-        return self._short(Ops.in_progress, limit, what="in_progress")  # type: ignore[no-any-return]
+        return self._short("in_progress", limit, what="in_progress")  # type: ignore[no-any-return]
 
     def purge(
         self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
@@ -345,7 +344,7 @@ class SqlStore(_SqlBase):
         )
         total = 0
         while True:
-            deleted: int = self._short(Ops.purge_batch, cutoff, batch_size, what="purge")
+            deleted: int = self._short("purge_batch", cutoff, batch_size, what="purge")
             total += deleted
             if deleted < batch_size:
                 return total
@@ -399,14 +398,14 @@ class AsyncSqlStore(_SqlBase):
             async with self.engine.begin() as conn:
                 await conn.run_sync(lambda sync: self.table.drop(sync, checkfirst=True))
 
-    async def _exec(self, conn: AsyncConnection, plan_of: Any, *args: Any, what: str) -> Any:
+    async def _exec(self, conn: AsyncConnection, plan: str, *args: Any, what: str) -> Any:
         with translate_errors(f"{what} on {self.where}"):
-            return await _arun(conn, plan_of(self._ops_for(conn.dialect), *args))
+            return await _arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
-    async def _short(self, plan_of: Any, *args: Any, what: str) -> Any:
+    async def _short(self, plan: str, *args: Any, what: str) -> Any:
         with translate_errors(f"{what} on {self.where}"):
             async with self.engine.begin() as conn:
-                return await _arun(conn, plan_of(self._ops_for(conn.dialect), *args))
+                return await _arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
     @asynccontextmanager
     async def transaction(self, connection: Any = None) -> AsyncIterator[AsyncConnection]:
@@ -454,44 +453,42 @@ class AsyncSqlStore(_SqlBase):
                 await nested.commit()
 
     async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
-        return await self._exec(tx, Ops.claim, request, True, what="claim")  # type: ignore[no-any-return]
+        return await self._exec(tx, "claim", request, True, what="claim")  # type: ignore[no-any-return]
 
     async def claim_many_in(
         self, tx: AsyncConnection, requests: Sequence[ClaimRequest]
     ) -> list[Claim]:
-        return await self._exec(tx, Ops.claim_many, requests, True, what="claim_many")  # type: ignore[no-any-return]
+        return await self._exec(tx, "claim_many", requests, True, what="claim_many")  # type: ignore[no-any-return]
 
     async def save_result_in(self, tx: AsyncConnection, key: Key, result: str) -> None:
-        await self._exec(tx, Ops.save_result, key, result, what="save_result")
+        await self._exec(tx, "save_result", key, result, what="save_result")
 
     async def release_in(self, tx: AsyncConnection, key: Key, owner: str) -> None:
-        await self._exec(
-            tx, lambda ops, k, o: ops.release(k, o, transactional=True), key, owner, what="release"
-        )
+        await self._exec(tx, "release_in", key, owner, what="release")
 
     async def claim(self, request: ClaimRequest) -> Claim:
-        return await self._short(Ops.claim, request, False, what="claim")  # type: ignore[no-any-return]
+        return await self._short("claim", request, False, what="claim")  # type: ignore[no-any-return]
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        return await self._short(Ops.claim_many, requests, False, what="claim_many")  # type: ignore[no-any-return]
+        return await self._short("claim_many", requests, False, what="claim_many")  # type: ignore[no-any-return]
 
     async def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
-        if not await self._short(Ops.complete, key, owner, result, now_ms, what="complete"):
+        if not await self._short("complete", key, owner, result, now_ms, what="complete"):
             raise LeaseLostError(
                 f"lease on {key.message_id!r} ({key.consumer}) was lost before complete"
             )
 
     async def release(self, key: Key, owner: str) -> None:
-        await self._short(Ops.release, key, owner, what="release")
+        await self._short("release", key, owner, what="release")
 
     async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
-        return await self._short(Ops.get, Key(consumer, message_id), what="get")  # type: ignore[no-any-return]
+        return await self._short("get", Key(consumer, message_id), what="get")  # type: ignore[no-any-return]
 
     async def find(self, message_id: str) -> list[Record]:
-        return await self._short(Ops.find, message_id, what="find")  # type: ignore[no-any-return]
+        return await self._short("find", message_id, what="find")  # type: ignore[no-any-return]
 
     async def in_progress(self, *, limit: int = 100) -> list[Record]:
-        return await self._short(Ops.in_progress, limit, what="in_progress")  # type: ignore[no-any-return]
+        return await self._short("in_progress", limit, what="in_progress")  # type: ignore[no-any-return]
 
     async def purge(
         self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
@@ -501,7 +498,7 @@ class AsyncSqlStore(_SqlBase):
         )
         total = 0
         while True:
-            deleted: int = await self._short(Ops.purge_batch, cutoff, batch_size, what="purge")
+            deleted: int = await self._short("purge_batch", cutoff, batch_size, what="purge")
             total += deleted
             if deleted < batch_size:
                 return total

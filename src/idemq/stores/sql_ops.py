@@ -238,9 +238,12 @@ class Ops:
         }
         return (yield self.sql_complete, params).rowcount == 1
 
-    def release(self, key: Key, owner: str, *, transactional: bool = False) -> Plan:
-        sql = self.sql_release_in if transactional else self.sql_release
-        yield sql, {**_key_params(key), "owner": owner}
+    def release(self, key: Key, owner: str) -> Plan:
+        yield self.sql_release, {**_key_params(key), "owner": owner}
+
+    def release_in(self, key: Key, owner: str) -> Plan:
+        """Undo a batch claim (written as PROCESSED) inside its transaction."""
+        yield self.sql_release_in, {**_key_params(key), "owner": owner}
 
     def get(self, key: Key) -> Plan:
         reply = yield self.sql_get, _key_params(key)
