@@ -1,0 +1,176 @@
+"""idemq's transactional guard vs a hand-written raw-driver loop, same run, same database.
+
+The raw loop is the seed's SQL with the bare driver (psycopg 3, PyMySQL, sqlite3): insert the dedup
+row and, if it was new, the business UPDATE, in one transaction. idemq runs the same business
+UPDATE through ``tx.exec_driver_sql`` inside ``Idempotency.process``. Two passes each: first
+delivery of N ids, then all N again (duplicates). Best of ``--repeat`` runs, contenders alternated.
+
+    python bench/sql_guard.py [--n 2000] [--sqlite-n 20000] [--repeat 3] [--only postgres,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sqlite3
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import pymysql
+import sqlalchemy as sa
+
+import idemq
+
+PG_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306/test"
+RAW_TABLE = "bench_message_idempotent_raw"
+IDEMQ_TABLE = "bench_message_idempotent"
+ACCOUNTS = "bench_accounts"
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    param: str  # the driver's placeholder for the business UPDATE
+    raw_connect: Callable[[], Any]
+    raw_insert: str
+    n: int
+
+
+def seed_ddl(backend: Backend) -> list[str]:
+    ts = "TIMESTAMP" if backend.name == "postgres" else "DATETIME"
+    return [
+        f"DROP TABLE IF EXISTS {RAW_TABLE}",
+        f"DROP TABLE IF EXISTS {ACCOUNTS}",
+        f"CREATE TABLE {RAW_TABLE} (message_id VARCHAR(128) PRIMARY KEY, business_id VARCHAR(64), "
+        f"status SMALLINT DEFAULT 0, processed_time {ts}, "
+        f"created_time {ts} DEFAULT CURRENT_TIMESTAMP)",
+        f"CREATE TABLE {ACCOUNTS} (id INTEGER PRIMARY KEY, balance BIGINT NOT NULL)",
+        f"INSERT INTO {ACCOUNTS} (id, balance) VALUES (1, 1000000000)",
+    ]
+
+
+def setup(backend: Backend) -> idemq.SqlStore:
+    store = idemq.SqlStore(backend.url, table=IDEMQ_TABLE)
+    store.drop_schema()
+    store.create_schema()
+    with store.engine.begin() as conn:
+        for statement in seed_ddl(backend):
+            conn.exec_driver_sql(statement)
+    return store
+
+
+def reset(store: idemq.SqlStore) -> None:
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(f"DELETE FROM {RAW_TABLE}")
+        conn.exec_driver_sql(f"DELETE FROM {IDEMQ_TABLE}")
+
+
+def raw_loop(backend: Backend, ids: list[str]) -> float:
+    conn = backend.raw_connect()
+    cur = conn.cursor()
+    update = f"UPDATE {ACCOUNTS} SET balance = balance - 1 WHERE id = {backend.param}"
+    start = time.perf_counter()
+    for message_id in ids:
+        if backend.name == "sqlite":
+            cur.execute("BEGIN IMMEDIATE")
+        cur.execute(backend.raw_insert, (message_id, message_id[:64]))
+        if cur.rowcount == 1:
+            cur.execute(update, (1,))
+        conn.commit()
+    elapsed = time.perf_counter() - start
+    conn.close()
+    return elapsed
+
+
+def idemq_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> float:
+    guard = idemq.Idempotency(store, consumer="bench")
+    placeholder = ":id" if backend.name == "sqlite" else "%(id)s"
+    update = f"UPDATE {ACCOUNTS} SET balance = balance - 1 WHERE id = {placeholder}"
+    params = {"id": 1}
+
+    def handler(tx: sa.Connection) -> None:
+        tx.exec_driver_sql(update, params)
+
+    start = time.perf_counter()
+    for message_id in ids:
+        guard.process(message_id, handler, business_id=message_id[:64])
+    return time.perf_counter() - start
+
+
+def bench(backend: Backend, repeat: int) -> list[tuple[str, float, float]]:
+    store = setup(backend)
+    ids = [f"ORDER_20240115143000{i % 1000:03d}_NODE01_{i:06d}" for i in range(backend.n)]
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(repeat):
+        reset(store)
+        for contender in ("raw", "idemq"):
+            run = (lambda: raw_loop(backend, ids)) if contender == "raw" else (
+                lambda: idemq_loop(store, backend, ids)
+            )
+            for phase in ("first", "duplicates"):
+                elapsed = run()
+                key = (contender, phase)
+                best[key] = min(best.get(key, float("inf")), elapsed)
+    store.close()
+    rows = []
+    for phase in ("first", "duplicates"):
+        raw_rate = backend.n / best[("raw", phase)]
+        idemq_rate = backend.n / best[("idemq", phase)]
+        rows.append((phase, raw_rate, idemq_rate))
+    return rows
+
+
+def backends(args: argparse.Namespace) -> list[Backend]:
+    sqlite_path = os.path.join(tempfile.mkdtemp(prefix="idemq-bench-"), "bench.db")
+
+    def sqlite_connect() -> sqlite3.Connection:
+        conn = sqlite3.connect(sqlite_path, isolation_level=None)
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA busy_timeout = 30000")
+        return conn
+
+    every = [
+        Backend(
+            "postgres", PG_URL, "%s", lambda: psycopg.connect(PG_DSN),
+            f"INSERT INTO {RAW_TABLE} (message_id, business_id, status, processed_time) "
+            "VALUES (%s, %s, 1, now()) ON CONFLICT (message_id) DO NOTHING", args.n,
+        ),
+        Backend(
+            "mariadb", MYSQL_URL, "%s",
+            lambda: pymysql.connect(host="127.0.0.1", user="root", database="test"),
+            f"INSERT IGNORE INTO {RAW_TABLE} (message_id, business_id, status, processed_time) "
+            "VALUES (%s, %s, 1, NOW(6))", args.n,
+        ),
+        Backend(
+            "sqlite", f"sqlite:///{sqlite_path}", "?", sqlite_connect,
+            f"INSERT OR IGNORE INTO {RAW_TABLE} (message_id, business_id, status, processed_time) "
+            "VALUES (?, ?, 1, CURRENT_TIMESTAMP)", args.sqlite_n,
+        ),
+    ]
+    return [b for b in every if not args.only or b.name in args.only.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2000, help="messages per pass (PG, MariaDB)")
+    parser.add_argument("--sqlite-n", type=int, default=20000, help="messages per pass (SQLite)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated: postgres,mariadb,sqlite")
+    args = parser.parse_args()
+    print(f"{'backend':<10}{'pass':<12}{'raw msg/s':>12}{'idemq msg/s':>14}{'ratio':>8}")
+    for backend in backends(args):
+        for phase, raw_rate, idemq_rate in bench(backend, args.repeat):
+            ratio = idemq_rate / raw_rate
+            print(f"{backend.name:<10}{phase:<12}{raw_rate:>12,.0f}{idemq_rate:>14,.0f}"
+                  f"{ratio:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
