@@ -1,0 +1,215 @@
+"""``redis://host:6379/0``: Redis Streams with a consumer group (redis-py, synchronous).
+
+* One stream per queue; entries carry ``id`` (the message id), ``body`` and ``headers`` (JSON).
+* Consumers read with ``XREADGROUP``; an entry stays in the group's pending list until XACK.
+* A consumer that died leaves its entries pending: every poll first runs ``XAUTOCLAIM`` for
+  entries idle longer than ``claim_idle_ms``, so they are redelivered to a live consumer (the
+  delivery counter Redis keeps becomes ``delivery_attempt``).
+* Retry after a delay: the entry stays pending, and ``XCLAIM … IDLE`` rewinds its idle time so
+  XAUTOCLAIM picks it up after ``delay_s`` (JUSTID: the attempt counter is not bumped twice).
+* Dead letter: ``XADD <stream>.dlq`` and ``XACK`` in one MULTI/EXEC — moved, never lost nor
+  duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import redis
+
+from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.errors import BrokerUnavailableError, ConfigurationError
+
+__all__ = ["RedisStreamsBroker"]
+
+_DRIVER_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class RedisStreamsBroker:
+    """Streams as queues, one consumer group (``group``) per queue."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        group: str = "idemq",
+        claim_idle_ms: int = 30_000,
+        block_ms: int = 200,
+    ) -> None:
+        self.client = client
+        self.group = group
+        self.claim_idle_ms = claim_idle_ms
+        self.block_ms = block_ms
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisStreamsBroker:
+        """``redis://host:port/db?group=idemq&claim_idle_ms=30000``."""
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        try:
+            claim_idle_ms = int(query.pop("claim_idle_ms", ["30000"])[0])
+        except ValueError as exc:
+            raise ConfigurationError(f"claim_idle_ms must be an integer in {url!r}") from exc
+        group = query.pop("group", ["idemq"])[0]
+        rest = "&".join(f"{key}={values[0]}" for key, values in query.items())
+        client = redis.Redis.from_url(urlunsplit(parts._replace(query=rest)))
+        return cls(client, group=group, claim_idle_ms=claim_idle_ms)
+
+    def dead_letter_queue(self, queue: str) -> str:
+        """The stream ``<queue>.dlq``."""
+        return f"{queue}.dlq"
+
+    def declare(self, queue: str) -> None:
+        """Create the stream and its consumer group (from the start: nothing published is missed)."""
+        for stream in (queue, self.dead_letter_queue(queue)):
+            try:
+                self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except redis.exceptions.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise BrokerUnavailableError(f"Redis: cannot create group: {exc}") from exc
+            except _DRIVER_ERRORS as exc:
+                raise BrokerUnavailableError(f"Redis: {exc}") from exc
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete the stream and its dead-letter stream."""
+        self._call(self.client.delete, queue, self.dead_letter_queue(queue))
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+    ) -> None:
+        """``XADD`` one entry (acknowledged by Redis when this returns)."""
+        self._call(self.client.xadd, queue, _fields(body, headers or {}, message_id))
+
+    def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
+        """Reclaim idle pending entries first, then read new ones (``prefetch`` per round trip)."""
+        self.declare(queue)
+        consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        while True:
+            deliveries = self._claim_idle(queue, consumer, prefetch)
+            if not deliveries:
+                deliveries = self._read_new(queue, consumer, prefetch)
+            if not deliveries:
+                yield None
+            yield from deliveries
+
+    def close(self) -> None:
+        """Close the connection pool; pending entries are reclaimed by other consumers."""
+        self.client.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _DRIVER_ERRORS as exc:
+            raise BrokerUnavailableError(f"Redis: {type(exc).__name__}: {exc}") from exc
+
+    def _claim_idle(self, queue: str, consumer: str, count: int) -> list[Delivery]:
+        reply = self._call(
+            self.client.xautoclaim, queue, self.group, consumer, self.claim_idle_ms, "0-0", count
+        )
+        entries = [(entry_id, fields) for entry_id, fields in reply[1] if fields]
+        if not entries:
+            return []
+        counts = {}
+        for entry_id, _ in entries:
+            pending = self._call(
+                self.client.xpending_range, queue, self.group, entry_id, entry_id, 1
+            )
+            counts[entry_id] = pending[0]["times_delivered"] if pending else 1
+        return [
+            self._delivery(queue, consumer, entry_id, fields, counts[entry_id])
+            for entry_id, fields in entries
+        ]
+
+    def _read_new(self, queue: str, consumer: str, count: int) -> list[Delivery]:
+        reply = self._call(
+            self.client.xreadgroup,
+            self.group,
+            consumer,
+            {queue: ">"},
+            count=count,
+            block=self.block_ms,
+        )
+        if not reply:
+            return []
+        return [
+            self._delivery(queue, consumer, entry_id, fields, 1) for entry_id, fields in reply[0][1]
+        ]
+
+    def _delivery(
+        self, queue: str, consumer: str, entry_id: bytes, fields: dict[bytes, bytes], attempt: int
+    ) -> RedisStreamsDelivery:
+        body = fields.get(b"body", b"")
+        try:
+            headers = {str(k): str(v) for k, v in json.loads(fields.get(b"headers", b"{}")).items()}
+        except (ValueError, AttributeError):
+            headers = {}
+        raw_id = fields.get(b"id")
+        received = Received.build(
+            queue,
+            body,
+            headers,
+            broker_message_id=raw_id.decode("utf-8", "replace") if raw_id else None,
+            delivery_attempt=attempt,
+        )
+        return RedisStreamsDelivery(self, received, entry_id=entry_id, consumer=consumer)
+
+
+def _fields(body: bytes, headers: Mapping[str, str], message_id: str | None) -> dict[Any, Any]:
+    fields: dict[Any, Any] = {"body": body, "headers": json.dumps(dict(headers))}
+    if message_id is not None:
+        fields["id"] = message_id
+    return fields
+
+
+class RedisStreamsDelivery(Delivery):
+    """A pending entry of a consumer group."""
+
+    def __init__(
+        self, broker: RedisStreamsBroker, received: Received, *, entry_id: bytes, consumer: str
+    ) -> None:
+        super().__init__(received)
+        self._broker = broker
+        self._entry_id = entry_id
+        self._consumer = consumer
+
+    def _ack(self) -> None:
+        b = self._broker
+        b._call(b.client.xack, self.queue, b.group, self._entry_id)
+
+    def _retry(self, delay_s: float) -> None:
+        b = self._broker
+        idle_ms = max(b.claim_idle_ms - int(delay_s * 1000), 0)
+        b._call(
+            b.client.xclaim,
+            self.queue,
+            b.group,
+            self._consumer,
+            0,
+            [self._entry_id],
+            idle=idle_ms,
+            justid=True,
+        )
+
+    def _dead_letter(self, reason: str) -> None:
+        b = self._broker
+        headers = dead_letter_headers(
+            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
+        )
+        message_id = self.message.id if self.message else None
+        pipe = b.client.pipeline(transaction=True)  # MULTI/EXEC: move atomically
+        pipe.xadd(b.dead_letter_queue(self.queue), _fields(self.body, headers, message_id))
+        pipe.xack(self.queue, b.group, self._entry_id)
+        b._call(pipe.execute)
