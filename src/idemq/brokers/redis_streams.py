@@ -66,7 +66,7 @@ class RedisStreamsBroker:
         return f"{queue}.dlq"
 
     def declare(self, queue: str) -> None:
-        """Create the stream and its consumer group (from the start: nothing published is missed)."""
+        """Create the stream and its group (reading from the start: nothing published is missed)."""
         for stream in (queue, self.dead_letter_queue(queue)):
             try:
                 self.client.xgroup_create(stream, self.group, id="0", mkstream=True)

@@ -1,0 +1,231 @@
+"""``nats://host:4222``: NATS JetStream through nats-py (on its own loop thread).
+
+* A queue is a stream (named after it, ``.`` → ``_``) capturing subject ``<queue>``, with a
+  ``duplicate_window``: publishes carry ``Nats-Msg-Id``, so a producer retry after a lost PubAck
+  is dropped by the server itself (cause 1 of duplicates, absorbed before it reaches us).
+* Consumers share one durable pull consumer (``group``) with explicit acks and ``ack_wait``:
+  a consumer that dies without acking gets its messages redelivered after AckWait; the server's
+  ``num_delivered`` is ``delivery_attempt``.
+* Retry after a delay = ``NAK`` with a delay (server-side timer). Ack = double ack (``ack_sync``):
+  we wait for the server to confirm, so an ack lost in transit is not mistaken for done.
+* Dead letter = publish to ``<queue>.dlq`` (stream ``<queue>_dlq``) with the reason headers,
+  then ``TERM`` the message: JetStream stops redelivering it and emits its
+  ``MSG_TERMINATED`` advisory. ``max_deliver`` is unlimited by default (``?max_deliver=N`` sets
+  it): outage and in-progress redeliveries must not exhaust it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, StreamConfig
+
+from idemq.brokers._aioloop import LoopThread
+from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.errors import BrokerUnavailableError, ConfigurationError
+from idemq.message import MESSAGE_ID_HEADER
+
+__all__ = ["NatsBroker"]
+
+NATS_MSG_ID = "Nats-Msg-Id"
+_DRIVER_ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
+
+
+def stream_name(subject: str) -> str:
+    """JetStream stream names may not contain ``.``, ``*``, ``>`` or spaces."""
+    return "".join("_" if ch in ".*> " else ch for ch in subject)
+
+
+class NatsBroker:
+    """JetStream streams as queues; one durable pull consumer per queue."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        group: str = "idemq",
+        ack_wait_s: float = 30.0,
+        max_deliver: int = -1,
+        duplicate_window_s: float = 120.0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.url = url
+        self.group = group
+        self.ack_wait_s = ack_wait_s
+        self.max_deliver = max_deliver
+        self.duplicate_window_s = duplicate_window_s
+        self.timeout_s = timeout_s
+        self._loop = LoopThread("idemq-nats")
+        try:
+            self._nc = self._call(nats.connect(url, connect_timeout=timeout_s))
+        except BrokerUnavailableError:
+            self._loop.stop()
+            raise
+        self._js = self._nc.jetstream(timeout=timeout_s)
+
+    @classmethod
+    def from_url(cls, url: str) -> NatsBroker:
+        """``nats://host:4222?ack_wait_s=30&max_deliver=-1&group=idemq``."""
+        parts = urlsplit(url)
+        query = {key: values[0] for key, values in parse_qs(parts.query).items()}
+        plain = urlunsplit(parts._replace(query=""))
+        try:
+            return cls(
+                plain,
+                group=query.get("group", "idemq"),
+                ack_wait_s=float(query.get("ack_wait_s", "30")),
+                max_deliver=int(query.get("max_deliver", "-1")),
+                duplicate_window_s=float(query.get("duplicate_window_s", "120")),
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"bad number in NATS URL {url!r}") from exc
+
+    def _call(self, coro: Any) -> Any:
+        try:
+            return self._loop.run(coro, self.timeout_s + 5)
+        except _DRIVER_ERRORS as exc:
+            raise BrokerUnavailableError(f"NATS: {type(exc).__name__}: {exc}") from exc
+
+    def dead_letter_queue(self, queue: str) -> str:
+        """Subject ``<queue>.dlq`` (stream ``<queue>_dlq``)."""
+        return f"{queue}.dlq"
+
+    async def _declare(self, subject: str) -> None:
+        config = StreamConfig(
+            name=stream_name(subject),
+            subjects=[subject],
+            duplicate_window=self.duplicate_window_s,
+        )
+        try:
+            await self._js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await self._js.update_stream(config)
+
+    def declare(self, queue: str) -> None:
+        """Create (or update) the queue's stream and its dead-letter stream."""
+
+        async def both() -> None:
+            await self._declare(queue)
+            await self._declare(self.dead_letter_queue(queue))
+
+        self._call(both())
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete both streams (and with them the durable consumers)."""
+
+        async def both() -> None:
+            for subject in (queue, self.dead_letter_queue(queue)):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await self._js.delete_stream(stream_name(subject))
+
+        self._call(both())
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+    ) -> None:
+        """Publish with ``Nats-Msg-Id`` (server-side dedup window) and wait for the PubAck."""
+        all_headers = dict(headers or {})
+        if message_id is not None:
+            all_headers[MESSAGE_ID_HEADER] = message_id
+            all_headers[NATS_MSG_ID] = message_id
+        self._call(self._js.publish(queue, body, headers=all_headers or None))
+
+    def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
+        """Fetch up to ``prefetch`` messages per round trip from the durable pull consumer."""
+        self.declare(queue)
+        durable = f"{self.group}_{stream_name(queue)}"
+        config = ConsumerConfig(
+            durable_name=durable,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            filter_subject=queue,
+        )
+        subscription = self._call(
+            self._js.pull_subscribe(queue, durable, stream=stream_name(queue), config=config)
+        )
+
+        async def fetch() -> list[Msg]:
+            try:
+                messages: list[Msg] = await subscription.fetch(prefetch, timeout=0.2)
+            except nats.errors.TimeoutError:
+                return []
+            return messages
+
+        while True:
+            messages = self._call(fetch())
+            if not messages:
+                yield None
+            for message in messages:
+                yield self._delivery(queue, message)
+
+    def _delivery(self, queue: str, message: Msg) -> NatsDelivery:
+        headers = dict(message.headers or {})
+        received = Received.build(
+            queue,
+            message.data,
+            headers,
+            broker_message_id=headers.get(NATS_MSG_ID),
+            delivery_attempt=message.metadata.num_delivered or 1,
+        )
+        return NatsDelivery(self, received, message)
+
+    def close(self) -> None:
+        """Drain and close the connection; unacked messages come back after AckWait."""
+        try:
+            self._call(self._nc.close())
+        except BrokerUnavailableError:
+            pass
+        finally:
+            self._loop.stop()
+
+    # used by NatsDelivery ----------------------------------------------------------------------
+
+    def settle(self, coro: Any) -> None:
+        """Run a settlement coroutine on the loop, translating driver errors."""
+        self._call(coro)
+
+    async def publish_dead_letter(self, queue: str, body: bytes, headers: dict[str, str]) -> None:
+        """Publish to ``<queue>.dlq`` and wait for the PubAck (runs on the loop)."""
+        await self._js.publish(self.dead_letter_queue(queue), body, headers=headers)
+
+
+class NatsDelivery(Delivery):
+    """A JetStream message from a pull consumer."""
+
+    def __init__(self, broker: NatsBroker, received: Received, message: Msg) -> None:
+        super().__init__(received)
+        self._broker = broker
+        self._message = message
+
+    def _ack(self) -> None:
+        self._broker.settle(self._message.ack_sync(timeout=self._broker.timeout_s))
+
+    def _retry(self, delay_s: float) -> None:
+        self._broker.settle(self._message.nak(delay=delay_s if delay_s > 0 else None))
+
+    def _dead_letter(self, reason: str) -> None:
+        headers = dead_letter_headers(
+            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
+        )
+        # Not the original Nats-Msg-Id: the DLQ stream's dedup window would drop a second
+        # dead letter of the same id (e.g. a re-published poison message), hiding it.
+        headers.pop(NATS_MSG_ID, None)
+
+        async def move() -> None:
+            await self._broker.publish_dead_letter(self.queue, self.body, headers)
+            await self._message.term()
+
+        self._broker.settle(move())
