@@ -23,12 +23,12 @@ __all__ = ["CLAIM", "CLAIM_ARGC", "CLAIM_MANY", "COMPLETE", "FIELDS", "PURGE", "
 CLAIM_ARGC = 6
 """ARGV values per claimed message (CLAIM and CLAIM_MANY)."""
 
-# record(key): the record as ONE JSON array of strings in FIELDS order ('' = absent). One bulk
+# encode(values): the record as ONE JSON array of strings in FIELDS order ('' = absent). One bulk
 # string instead of an 18-element HGETALL array: redis-py parses every array element in Python,
 # which made a duplicate's reply cost more than its round trip.
 _RECORD_FUNCTION = """
-local function record(key)
-  local v = redis.call('HMGET', key, 's', 'o', 'l', 'a', 'c', 'p', 'b', 'h', 'r')
+local FIELDS = {'s', 'o', 'l', 'a', 'c', 'p', 'b', 'h', 'r'}
+local function encode(v)
   for i = 1, 9 do
     if not v[i] then v[i] = '' end
   end
@@ -37,16 +37,17 @@ end
 """
 
 FIELDS = ("s", "o", "l", "a", "c", "p", "b", "h", "r")
-"""Field order of :data:`_RECORD_FUNCTION`'s array (and of the HMGET that get/find send)."""
+"""Field order of the Lua FIELDS table (claim replies) and of the HMGET that get/find send."""
 
 # claim(key, owner, now_ms, lease_until_ms, gc_ms, business_id, payload_hash)
-# Returns 1 when `owner` now holds the record, else the record (see record()), so a duplicate
+# Returns 1 when `owner` now holds the record, else the record (see encode()), so a duplicate
 # costs no second command.
 _CLAIM_FUNCTION = (
     _RECORD_FUNCTION
     + """
 local function claim(key, owner, now_ms, until_ms, gc_ms, business_id, payload_hash)
-  local cur = redis.call('HMGET', key, 's', 'o', 'l', 'h')
+  -- One HMGET of every field: the same reply decides and, on conflict, is handed back.
+  local cur = redis.call('HMGET', key, unpack(FIELDS))
   if not cur[1] then
     redis.call('HSET', key, 's', '0', 'o', owner, 'l', until_ms, 'a', '1', 'c', now_ms,
                'b', business_id, 'h', payload_hash)
@@ -58,7 +59,7 @@ local function claim(key, owner, now_ms, until_ms, gc_ms, business_id, payload_h
   if cur[1] == '0' then
     -- Our own claim, replayed by a client retry after a lost reply: still ours.
     if cur[2] == owner then return 1 end
-    local stored_hash = cur[4] or ''
+    local stored_hash = cur[8] or ''
     local same_payload = stored_hash == '' or payload_hash == '' or stored_hash == payload_hash
     -- Takeover only of an expired lease, and never for another payload under the same id:
     -- handing back the record lets the guard raise PayloadMismatchError instead.
@@ -72,7 +73,7 @@ local function claim(key, owner, now_ms, until_ms, gc_ms, business_id, payload_h
       return 1
     end
   end
-  return record(key)
+  return encode(cur)
 end
 """
 )
