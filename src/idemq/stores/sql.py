@@ -35,6 +35,10 @@ __all__ = ["AsyncSqlStore", "SqlStore", "schema_sql"]
 DEFAULT_URL = "sqlite:///idemq.db"
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
+# Every transaction idemq opens ends in COMMIT or ROLLBACK, and SQLAlchemy's Connection rolls back
+# on close; the pool's extra reset ROLLBACK would be one more round trip per message on PyMySQL.
+ENGINE_DEFAULTS: dict[str, Any] = {"pool_reset_on_return": None, "pool_pre_ping": False}
+
 # (dialect name, SQLSTATE or MySQL error number) of transient conflicts that are safe to retry.
 _PG_CONFLICTS = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 _MYSQL_CONFLICTS = {1213, 1205}  # ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT
@@ -158,22 +162,48 @@ class _SqlBase:
 
 
 def _run(conn: Connection, plan: Plan) -> Any:
+    """Run a plan on the DBAPI cursor of ``conn``, inside its current transaction.
+
+    idemq's own statements skip SQLAlchemy's execution and result machinery: on the per-message
+    path it cost more CPU than the database round trip (see bench/sql_guard.py). Driver errors
+    are wrapped exactly as SQLAlchemy would (and a dead connection invalidated) so
+    :func:`translate_errors` sees one kind of error.
+    """
+    dbapi_conn = conn.connection.dbapi_connection
+    cursor = dbapi_conn.cursor()  # type: ignore[union-attr]
+    sql, params = "", dict[str, Any]()
     try:
         step = next(plan)
         while True:
-            sql, params = step
-            cursor = conn.exec_driver_sql(sql, params)
-            rows = [tuple(r) for r in cursor.fetchall()] if cursor.returns_rows else []
+            sql, params, returns_rows = step
+            cursor.execute(sql, params)
+            # (Asking the cursor for its description would build column objects: measurable.)
+            rows = list(cursor.fetchall()) if returns_rows else []
             step = plan.send(Reply(rows, cursor.rowcount))
     except StopIteration as stop:
         return stop.value
+    except conn.dialect.loaded_dbapi.Error as exc:
+        dialect = conn.dialect
+        invalidated = dialect.is_disconnect(exc, dbapi_conn, cursor)
+        if invalidated:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(
+            sql,
+            params,
+            exc,
+            dialect.loaded_dbapi.Error,
+            connection_invalidated=invalidated,
+            dialect=dialect,
+        ) from exc
+    finally:
+        cursor.close()
 
 
 async def _arun(conn: AsyncConnection, plan: Plan) -> Any:
     try:
         step = next(plan)
         while True:
-            sql, params = step
+            sql, params, _returns_rows = step
             cursor = await conn.exec_driver_sql(sql, params)
             rows = [tuple(r) for r in cursor.fetchall()] if cursor.returns_rows else []
             step = plan.send(Reply(rows, cursor.rowcount))
@@ -202,7 +232,7 @@ class SqlStore(_SqlBase):
         else:
             parsed = _sync_url(_url(url))
             try:
-                self.engine = sa.create_engine(parsed, **engine_kwargs)
+                self.engine = sa.create_engine(parsed, **{**ENGINE_DEFAULTS, **engine_kwargs})
             except (ArgumentError, NoSuchModuleError, ImportError) as exc:
                 raise ConfigurationError(f"cannot use {parsed.drivername!r}: {exc}") from exc
             if self.engine.dialect.name == "sqlite":

@@ -1,10 +1,11 @@
 """The SQL of every store primitive, per dialect, written once as I/O-free *plans*.
 
-A plan is a generator that yields ``(sql, params)`` steps and receives each step's :class:`Reply`;
-its return value is the primitive's answer. :class:`~idemq.stores.sql.SqlStore` runs plans on a
-sync connection and :class:`~idemq.stores.sql.AsyncSqlStore` on an async one, so the two cannot
-drift apart. Hot-path statements are plain SQL text run with ``exec_driver_sql``: SQLAlchemy's
-compiler stays out of the per-message path (see ``bench/sql_guard.py``).
+A plan is a generator that yields ``(sql, params, returns_rows)`` steps and receives each
+step's :class:`Reply`; its return value is the primitive's answer.
+:class:`~idemq.stores.sql.SqlStore` runs plans on a sync connection (straight on the DBAPI
+cursor: SQLAlchemy's compiler and result machinery stay out of the per-message path, see
+``bench/sql_guard.py``) and :class:`~idemq.stores.sql.AsyncSqlStore` on an async one, so the
+two cannot drift apart.
 
 Every claim is one atomic statement on the server (plus a read when it lost):
 
@@ -54,7 +55,7 @@ class Reply:
     rowcount: int
 
 
-Step = tuple[str, dict[str, Any]]
+Step = tuple[str, dict[str, Any], bool]  # (sql, params, returns rows)
 Plan = Generator[Step, Reply, Any]
 
 
@@ -164,11 +165,11 @@ class Ops:
             self.insert_ignore.format(t=self.table, cols=INSERT_COLS, values=self._VALUES)
         )
         for _ in range(CLAIM_TRIES):
-            if (yield insert, params).rowcount == 1:
+            if (yield insert, params, False).rowcount == 1:
                 return Claim.won()
-            if not transactional and (yield self.sql_takeover, params).rowcount == 1:
+            if not transactional and (yield self.sql_takeover, params, False).rowcount == 1:
                 return Claim.won()
-            reply = yield self.sql_get_locked, _key_params(request.key)
+            reply = yield self.sql_get_locked, _key_params(request.key), True
             if reply.rows:
                 return Claim.lost_to(_record(reply.rows[0]))
         raise StoreConflictError("the record kept vanishing while being claimed")
@@ -203,7 +204,7 @@ class Ops:
             )
             params.update({f"{name}{i}": value for name, value in row.items()})
         insert = self.insert_ignore.format(t=self.table, cols=INSERT_COLS, values=", ".join(values))
-        inserted = (yield self.sql(insert), params).rowcount
+        inserted = (yield self.sql(insert), params, False).rowcount
         if inserted == len(requests) and transactional:
             return [Claim.won()] * len(requests)
         ids = {f"m{i}": r.key.message_id for i, r in enumerate(requests)}
@@ -211,7 +212,7 @@ class Ops:
             f"SELECT {COLS} FROM {self.table} WHERE consumer = :consumer AND message_id IN "
             f"({', '.join(':' + name for name in ids)}){self.lock_suffix}"
         )
-        reply = yield self.sql(select), {"consumer": requests[0].key.consumer, **ids}
+        reply = yield self.sql(select), {"consumer": requests[0].key.consumer, **ids}, True
         found = {row[1]: _record(row) for row in reply.rows}
         claims = []
         for request in requests:
@@ -227,7 +228,7 @@ class Ops:
     # -- the other primitives ----------------------------------------------------------------
 
     def save_result(self, key: Key, result: str) -> Plan:
-        yield self.sql_save_result, {**_key_params(key), "result": result}
+        yield self.sql_save_result, {**_key_params(key), "result": result}, False
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> Plan:
         params = {
@@ -236,29 +237,29 @@ class Ops:
             "result": result,
             "now": self.timestamp(now_ms),
         }
-        return (yield self.sql_complete, params).rowcount == 1
+        return (yield self.sql_complete, params, False).rowcount == 1
 
     def release(self, key: Key, owner: str) -> Plan:
-        yield self.sql_release, {**_key_params(key), "owner": owner}
+        yield self.sql_release, {**_key_params(key), "owner": owner}, False
 
     def release_in(self, key: Key, owner: str) -> Plan:
         """Undo a batch claim (written as PROCESSED) inside its transaction."""
-        yield self.sql_release_in, {**_key_params(key), "owner": owner}
+        yield self.sql_release_in, {**_key_params(key), "owner": owner}, False
 
     def get(self, key: Key) -> Plan:
-        reply = yield self.sql_get, _key_params(key)
+        reply = yield self.sql_get, _key_params(key), True
         return _record(reply.rows[0]) if reply.rows else None
 
     def find(self, message_id: str) -> Plan:
-        reply = yield self.sql_find, {"message_id": message_id}
+        reply = yield self.sql_find, {"message_id": message_id}, True
         return [_record(row) for row in reply.rows]
 
     def in_progress(self, limit: int) -> Plan:
-        reply = yield self.sql_in_progress, {"limit": limit}
+        reply = yield self.sql_in_progress, {"limit": limit}, True
         return [_record(row) for row in reply.rows]
 
     def purge_batch(self, cutoff_ms: int, limit: int) -> Plan:
-        reply = yield self.sql_purge, {"cutoff": self.timestamp(cutoff_ms), "limit": limit}
+        reply = yield self.sql_purge, {"cutoff": self.timestamp(cutoff_ms), "limit": limit}, False
         return reply.rowcount
 
 
@@ -295,13 +296,13 @@ class PostgresOps(Ops):
     def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
         params = self.claim_params(request, transactional)
         for _ in range(CLAIM_TRIES):
-            reply = yield self.sql_claim[transactional], params
+            reply = yield self.sql_claim[transactional], params, True
             if reply.rows:
                 row = reply.rows[0]
                 return Claim.won() if row[-1] == 1 else Claim.lost_to(_record(row))
             # The conflicting row was committed while we waited for its lock: it is newer than
             # this statement's snapshot. A fresh statement sees it.
-            reply = yield self.sql_get, _key_params(request.key)
+            reply = yield self.sql_get, _key_params(request.key), True
             if reply.rows:
                 return Claim.lost_to(_record(reply.rows[0]))
         raise StoreConflictError("the record kept vanishing while being claimed")
@@ -333,9 +334,9 @@ class SqliteOps(Ops):
     def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
         params = self.claim_params(request, transactional)
         for _ in range(CLAIM_TRIES):
-            if (yield self.sql_claim[transactional], params).rows:
+            if (yield self.sql_claim[transactional], params, True).rows:
                 return Claim.won()
-            reply = yield self.sql_get, _key_params(request.key)
+            reply = yield self.sql_get, _key_params(request.key), True
             if reply.rows:
                 return Claim.lost_to(_record(reply.rows[0]))
         raise StoreConflictError("the record kept vanishing while being claimed")
@@ -374,7 +375,11 @@ class MariaDbOps(MySqlOps):
         }
 
     def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
-        reply = yield self.sql_claim[transactional], self.claim_params(request, transactional)
+        reply = yield (
+            self.sql_claim[transactional],
+            self.claim_params(request, transactional),
+            True,
+        )
         record = _record(reply.rows[0])
         return Claim.won() if record.owner == request.owner else Claim.lost_to(record)
 
