@@ -1,0 +1,315 @@
+"""``kafka://host:9092``: Kafka (or Tansu) through confluent-kafka, synchronous.
+
+Kafka has offsets, not per-message acks, so settlement is built on top:
+
+* **Commit only after settlement, only contiguously.** A partition's offset is committed up to
+  the first delivery not yet settled; a consumer that dies re-reads everything after it (the
+  guard turns what was already done into DUPLICATEs). Commits run on the consuming thread.
+* **Retry** = re-publish a copy to the same topic with ``idemq-delivery-attempt`` + 1 and
+  ``idemq-not-before-ms`` = now + delay, then count the original as settled. The consumer holds
+  a copy that is not yet due (uncommitted) and hands it out when it is. A crash between the
+  copy and the commit leaves two copies: the guard absorbs the second.
+* **Dead letter** = produce to ``<topic>.dlq`` with the reason headers and wait for delivery.
+* The producer is idempotent (``enable.idempotence``): the broker drops a retried batch it
+  already holds, so a lost produce ack does not duplicate (cause 1, absorbed at the source).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import confluent_kafka
+import confluent_kafka.admin
+from confluent_kafka.admin import AdminClient
+
+from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.errors import BrokerUnavailableError, ConfigurationError
+from idemq.message import MESSAGE_ID_HEADER
+
+__all__ = ["KafkaBroker"]
+
+NewTopic: Any = confluent_kafka.admin.NewTopic  # not re-exported in the stubs
+
+ATTEMPT_HEADER = "idemq-delivery-attempt"
+NOT_BEFORE_HEADER = "idemq-not-before-ms"
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class _Offsets:
+    """Settled offsets per partition; the commit point is the first gap (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], set[int]] = {}  # received, not settled
+        self._settled: dict[tuple[str, int], int] = {}  # highest offset safe to commit + 1
+
+    def received(self, topic: str, partition: int, offset: int) -> None:
+        with self._lock:
+            self._pending.setdefault((topic, partition), set()).add(offset)
+
+    def settled(self, topic: str, partition: int, offset: int) -> None:
+        with self._lock:
+            pending = self._pending.setdefault((topic, partition), set())
+            pending.discard(offset)
+            # Everything below the lowest still-pending offset is settled.
+            candidate = min(pending) if pending else offset + 1
+            key = (topic, partition)
+            self._settled[key] = max(self._settled.get(key, 0), candidate)
+
+    def take(self) -> list[confluent_kafka.TopicPartition]:
+        with self._lock:
+            ready = [confluent_kafka.TopicPartition(t, p, o) for (t, p), o in self._settled.items()]
+            self._settled.clear()
+        return ready
+
+
+class KafkaBroker:
+    """A consumer in group ``group`` (default ``idemq.<topic>``) and an idempotent producer.
+
+    One group per topic by default: members of a group rebalance together, so unrelated
+    workers sharing a group would stall each other on every join and every crash.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        group: str | None = None,
+        timeout_s: float = 10.0,
+        session_timeout_ms: int = 10_000,
+        clock_ms: Callable[[], int] = _now_ms,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.group = group
+        self.timeout_s = timeout_s
+        self.session_timeout_ms = session_timeout_ms
+        self._clock_ms = clock_ms
+        self._producer = confluent_kafka.Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "enable.idempotence": True,
+                "acks": "all",
+                "message.timeout.ms": int(timeout_s * 1000),
+            }
+        )
+        # One produce-and-flush at a time: a flush serves every thread's delivery reports, and
+        # each caller must see its own report before deciding whether the produce happened.
+        self._produce_lock = threading.Lock()
+        self._consumer: confluent_kafka.Consumer | None = None
+        self._offsets = _Offsets()
+
+    @classmethod
+    def from_url(cls, url: str) -> KafkaBroker:
+        """``kafka://host:port[,host:port]?group=NAME&session_timeout_ms=10000``."""
+        parts = urlsplit(url)
+        query = {key: values[0] for key, values in parse_qs(parts.query).items()}
+        if not parts.netloc:
+            raise ConfigurationError(f"Kafka URL needs host:port: {url!r}")
+        try:
+            session_timeout_ms = int(query.get("session_timeout_ms", "10000"))
+        except ValueError as exc:
+            raise ConfigurationError(f"bad session_timeout_ms in {url!r}") from exc
+        return cls(
+            parts.netloc,
+            group=query.get("group"),
+            session_timeout_ms=session_timeout_ms,
+        )
+
+    def dead_letter_queue(self, queue: str) -> str:
+        """The topic ``<topic>.dlq``."""
+        return f"{queue}.dlq"
+
+    def declare(self, queue: str) -> None:
+        """Create the topic and its dead-letter topic (one partition each) if missing."""
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        futures = admin.create_topics(
+            [NewTopic(name, 1, 1) for name in (queue, self.dead_letter_queue(queue))]
+        )
+        for future in futures.values():
+            try:
+                future.result(self.timeout_s)
+            except confluent_kafka.KafkaException as exc:
+                if exc.args[0].code() != confluent_kafka.KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise BrokerUnavailableError(f"Kafka: cannot create topic: {exc}") from exc
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete the topic and its dead-letter topic."""
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        for future in admin.delete_topics([queue, self.dead_letter_queue(queue)]).values():
+            try:
+                future.result(self.timeout_s)
+            except confluent_kafka.KafkaException as exc:
+                raise BrokerUnavailableError(f"Kafka: cannot delete topic: {exc}") from exc
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+    ) -> None:
+        """Produce one record (key = message id) and wait until the broker acknowledged it."""
+        all_headers = dict(headers or {})
+        if message_id is not None:
+            all_headers[MESSAGE_ID_HEADER] = message_id
+        self._produce(queue, body, all_headers, key=message_id)
+
+    def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
+        """Poll ``queue``; copies scheduled for later are held until due."""
+        consumer = confluent_kafka.Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": self.group or f"idemq.{queue}",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "session.timeout.ms": self.session_timeout_ms,
+                "heartbeat.interval.ms": max(self.session_timeout_ms // 4, 100),
+            }
+        )
+        self._consumer = consumer
+        consumer.subscribe([queue])
+        held: list[tuple[int, int, KafkaDelivery]] = []  # (due_ms, tiebreak, delivery)
+        while True:
+            self._commit(consumer)
+            if held and held[0][0] <= self._clock_ms():
+                yield heapq.heappop(held)[2]
+                continue
+            try:
+                record = consumer.poll(0.2)
+            except confluent_kafka.KafkaException as exc:
+                raise BrokerUnavailableError(f"Kafka: poll failed: {exc}") from exc
+            if record is None:
+                yield None
+                continue
+            error = record.error()
+            if error is not None:
+                if error.code() == confluent_kafka.KafkaError._PARTITION_EOF:
+                    continue
+                raise BrokerUnavailableError(f"Kafka: {error}")
+            delivery = self._delivery(queue, record)
+            self._offsets.received(queue, delivery.partition, delivery.offset)
+            if delivery.not_before_ms > self._clock_ms():
+                heapq.heappush(held, (delivery.not_before_ms, delivery.offset, delivery))
+                continue
+            yield delivery
+
+    def close(self) -> None:
+        """Commit what was settled, leave the group, flush the producer."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            try:
+                self._commit(consumer)
+            finally:
+                consumer.close()
+        self._producer.flush(self.timeout_s)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _commit(self, consumer: confluent_kafka.Consumer) -> None:
+        offsets = self._offsets.take()
+        if not offsets:
+            return
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+        except confluent_kafka.KafkaException as exc:
+            # Not fatal: uncommitted offsets are re-read and the guard absorbs them.
+            raise BrokerUnavailableError(f"Kafka: commit failed: {exc}") from exc
+
+    def _delivery(self, queue: str, record: Any) -> KafkaDelivery:
+        headers = {
+            key: (value or b"").decode("utf-8", "replace") for key, value in record.headers() or []
+        }
+        attempt = headers.pop(ATTEMPT_HEADER, "1")
+        not_before = headers.pop(NOT_BEFORE_HEADER, "0")
+        received = Received.build(
+            queue,
+            record.value() or b"",
+            headers,
+            delivery_attempt=int(attempt) if attempt.isdigit() else 1,
+        )
+        return KafkaDelivery(
+            self,
+            received,
+            partition=record.partition(),
+            offset=record.offset(),
+            not_before_ms=int(not_before) if not_before.isdigit() else 0,
+        )
+
+    def _produce(
+        self, topic: str, body: bytes, headers: Mapping[str, str], key: str | None = None
+    ) -> None:
+        errors: list[Any] = []
+        try:
+            with self._produce_lock:
+                self._producer.produce(
+                    topic,
+                    body,
+                    key=key,
+                    headers=list(headers.items()),
+                    on_delivery=lambda err, _msg: errors.append(err),
+                )
+                self._producer.flush(self.timeout_s)
+        except (confluent_kafka.KafkaException, BufferError) as exc:
+            raise BrokerUnavailableError(f"Kafka: produce failed: {exc}") from exc
+        if not errors:
+            raise BrokerUnavailableError(f"Kafka: no delivery report within {self.timeout_s}s")
+        if errors[0] is not None:
+            raise BrokerUnavailableError(f"Kafka: produce failed: {errors[0]}")
+
+    # used by KafkaDelivery ---------------------------------------------------------------------
+
+    def settled(self, queue: str, partition: int, offset: int) -> None:
+        """Record that ``offset`` may be committed (done on the consuming thread)."""
+        self._offsets.settled(queue, partition, offset)
+
+    def requeue(self, delivery: KafkaDelivery, delay_s: float) -> None:
+        """Publish a copy due in ``delay_s`` with the attempt counter bumped."""
+        headers = dict(delivery.headers)
+        headers[ATTEMPT_HEADER] = str(delivery.delivery_attempt + 1)
+        headers[NOT_BEFORE_HEADER] = str(self._clock_ms() + int(delay_s * 1000))
+        key = delivery.message.id if delivery.message else uuid.uuid4().hex
+        self._produce(delivery.queue, delivery.body, headers, key=key)
+
+
+class KafkaDelivery(Delivery):
+    """A record at (partition, offset); settling it lets the offset be committed."""
+
+    def __init__(
+        self,
+        broker: KafkaBroker,
+        received: Received,
+        *,
+        partition: int,
+        offset: int,
+        not_before_ms: int,
+    ) -> None:
+        super().__init__(received)
+        self._broker = broker
+        self.partition = partition
+        self.offset = offset
+        self.not_before_ms = not_before_ms
+
+    def _ack(self) -> None:
+        self._broker.settled(self.queue, self.partition, self.offset)
+
+    def _retry(self, delay_s: float) -> None:
+        self._broker.requeue(self, delay_s)
+        self._broker.settled(self.queue, self.partition, self.offset)
+
+    def _dead_letter(self, reason: str) -> None:
+        headers = dead_letter_headers(
+            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
+        )
+        key = self.message.id if self.message else None
+        self._broker._produce(self._broker.dead_letter_queue(self.queue), self.body, headers, key)
+        self._broker.settled(self.queue, self.partition, self.offset)
