@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,7 +89,14 @@ def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return PG_URL if backend == "postgres" else MYSQL_URL
 
 
-@pytest.fixture
-def table_name() -> Iterator[str]:
-    """A unique dedup-table name for one test (dropped by the store fixtures that create it)."""
-    yield unique("mi")
+def redis_cleanup(prefix: str) -> None:
+    """Delete every key a test's store or lock wrote under ``prefix`` (tests share one Redis)."""
+    import redis  # noqa: PLC0415
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

@@ -22,17 +22,27 @@ from idemq.errors import (
     StoreConflictError,
     StoreError,
     StoreUnavailableError,
+    UnknownEventError,
 )
 from idemq.idempotency import AsyncIdempotency, Idempotency
+from idemq.ids import MessageIdGenerator, MessageIdParts, parse_message_id
+from idemq.lock import AsyncRedisLock, RedisLock
 from idemq.message import Message
+from idemq.node_lease import NodeLease, lease_node
+from idemq.state_machine import StateMachine, Transition, TransitionResult
+from idemq.stores import open_store
 from idemq.stores.base import Record, RecordStatus
 from idemq.stores.memory import MemoryStore
+from idemq.stores.redis import AsyncRedisStore, RedisStore
 from idemq.stores.sql import AsyncSqlStore, SqlStore
+from idemq.versioned import versioned_update, versioned_update_async
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncIdempotency",
+    "AsyncRedisLock",
+    "AsyncRedisStore",
     "AsyncSqlStore",
     "ClockMovedBackwardsError",
     "ConfigurationError",
@@ -47,16 +57,30 @@ __all__ = [
     "LockNotOwnedError",
     "MemoryStore",
     "Message",
+    "MessageIdGenerator",
+    "MessageIdParts",
     "Mode",
+    "NodeLease",
     "Outcome",
     "PayloadMismatchError",
     "Record",
     "RecordStatus",
+    "RedisLock",
+    "RedisStore",
     "ResultNotSerializableError",
     "SqlStore",
+    "StateMachine",
     "Status",
     "StoreConflictError",
     "StoreError",
     "StoreUnavailableError",
+    "Transition",
+    "TransitionResult",
+    "UnknownEventError",
     "__version__",
+    "lease_node",
+    "open_store",
+    "parse_message_id",
+    "versioned_update",
+    "versioned_update_async",
 ]

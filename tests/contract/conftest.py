@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import idemq
-from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, require_service, unique
+from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, redis_cleanup, require_service, unique
 
 
 class FakeClock:
@@ -53,7 +53,7 @@ def make_store(kind: str, tmp_path: Path) -> Any:
     if kind == "redis":
         require_service("redis")
         redis_store = pytest.importorskip("idemq.stores.redis")
-        return redis_store.RedisStore(REDIS_URL, prefix=unique("idemqtest"))
+        return redis_store.RedisStore(REDIS_URL, prefix=unique("idemqtest"), ttl_s=600)
     store = make_sql_store(kind, tmp_path)
     store.create_schema()
     return store
@@ -62,8 +62,8 @@ def make_store(kind: str, tmp_path: Path) -> Any:
 def dispose(store: Any) -> None:
     if isinstance(store, idemq.SqlStore):
         store.drop_schema()
-    elif hasattr(store, "purge_all"):
-        store.purge_all()
+    elif isinstance(store, idemq.RedisStore):
+        redis_cleanup(store.prefix)
     store.close()
 
 

@@ -1,1 +1,28 @@
 """Dedup stores: SQL (transactional and lease), Redis (lease) and in-memory (tests, demos)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["is_redis_url", "open_store"]
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def is_redis_url(url: str) -> bool:
+    """True for a Redis store URL; anything else is taken as an SQLAlchemy URL."""
+    return url.startswith(_REDIS_SCHEMES)
+
+
+def open_store(url: str, **options: Any) -> Any:
+    """The store a URL names: ``redis://…`` → :class:`~idemq.stores.redis.RedisStore`, any
+    SQLAlchemy URL → :class:`~idemq.stores.sql.SqlStore` (``sqlite:///idemq.db``,
+    ``postgresql+psycopg://…``, ``mysql+pymysql://…``). ``options`` go to the store."""
+    if is_redis_url(url):
+        # Imported on use: redis is an optional extra.
+        from idemq.stores.redis import RedisStore  # noqa: PLC0415
+
+        return RedisStore(url, **options)
+    from idemq.stores.sql import SqlStore  # noqa: PLC0415
+
+    return SqlStore(url, **options)

@@ -108,6 +108,11 @@ class RedisStore:
         return f"RedisStore({self._server}, prefix={self._layout.prefix!r})"
 
     @property
+    def prefix(self) -> str:
+        """The key namespace of this store's records."""
+        return self._layout.prefix
+
+    @property
     def client(self) -> redis.Redis:
         """The underlying redis-py client (for tests and ops)."""
         return self._client

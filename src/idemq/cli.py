@@ -1,0 +1,323 @@
+"""The ``idemq`` command: argument parsing only; every command calls the library.
+
+Exit codes are named below; scripts can rely on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from idemq.errors import ConfigurationError, IdemqError, InvalidInputError, StoreError
+from idemq.stores.base import Record
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_STORE",
+    "EXIT_USAGE",
+    "main",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and the answer is "no" (demo invariant violated, …)
+EXIT_USAGE = 2  # bad arguments or configuration (argparse uses 2 as well)
+EXIT_NOT_FOUND = 3  # inspect: no such message id
+EXIT_STORE = 4  # the store could not be reached or failed
+
+console = Console()
+err_console = Console(stderr=True)
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30s``, ``15m``, ``12h``, ``7d``, ``2w`` → a timedelta (for ``purge --older-than``)."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration like 7d, 12h, 30m: {text!r}")
+    return timedelta(seconds=float(match.group(1)) * _UNIT_S[match.group(2)])
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str, ensure_ascii=False))
+
+
+def record_dict(record: Record) -> dict[str, Any]:
+    """A store record as plain JSON-friendly data (result decoded)."""
+    return {
+        "consumer": record.consumer,
+        "message_id": record.message_id,
+        "status": record.status.name.lower(),
+        "business_id": record.business_id,
+        "payload_hash": record.payload_hash,
+        "result": None if record.result is None else json.loads(record.result),
+        "owner": record.owner,
+        "lease_until_ms": record.lease_until_ms,
+        "attempts": record.attempts,
+        "created_time": record.created_time.isoformat() if record.created_time else None,
+        "processed_time": record.processed_time.isoformat() if record.processed_time else None,
+    }
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from idemq.demo import DemoConfig, default_directory, run_demo  # noqa: PLC0415
+
+    directory = Path(args.dir) if args.dir else default_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    config = DemoConfig(
+        directory, orders=args.orders, workers=args.workers, guard=not args.no_guard
+    )
+    if not args.json:
+        console.rule("[bold]idemq demo[/bold]: exactly-once payments on an at-least-once queue")
+        console.print(
+            "Three things make brokers deliver a message twice. This demo makes all three "
+            "happen for real:\n"
+            "  1. [bold]producer retry[/bold]: the publish confirm is lost, the producer "
+            "publishes the same message again;\n"
+            "  2. [bold]slow consumer[/bold]: a handler outlasts the queue's visibility "
+            "timeout and the queue hands the message to another worker;\n"
+            "  3. [bold]crash before ack[/bold]: a worker is killed after its payment "
+            "committed, before it acknowledged.\n"
+            f"Queue and ledger (SQLite) in {directory}; guard: "
+            + ("[green]idemq[/green]" if config.guard else "[red]none (--no-guard)[/red]")
+        )
+    report = run_demo(config, progress=(lambda _: None) if args.json else console.print)
+    if args.json:
+        _print_json({**report.__dict__, "ok": report.ok})
+        return EXIT_OK if report.ok else EXIT_FAILED
+    table = Table(title="What happened")
+    table.add_column("")
+    table.add_column("count", justify="right")
+    table.add_row("orders produced", str(report.produced))
+    table.add_row("messages published (incl. producer retries)", str(report.published))
+    table.add_row("workers killed between commit and ack", str(report.crashes))
+    for kind, count in sorted(report.outcomes.items()):
+        table.add_row(f"deliveries seen as {kind}", str(count))
+    table.add_row("payments in the ledger", str(report.payments))
+    table.add_row("orders paid more than once", str(report.double_paid))
+    table.add_row("orders never paid", str(report.lost))
+    table.add_row("balance / expected", f"{report.balance} / {report.expected_balance}")
+    console.print(table)
+    if report.ok:
+        console.print(
+            f"[bold green]✓ every order paid exactly once[/bold green] ({report.seconds:.1f} s)"
+        )
+        return EXIT_OK
+    console.print(
+        f"[bold red]✗ {report.double_paid} orders paid more than once, "
+        f"{report.lost} never[/bold red] ({report.seconds:.1f} s)"
+    )
+    return EXIT_FAILED
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from idemq.worker import run_worker  # noqa: PLC0415
+
+    stats = run_worker(
+        args.handler,
+        broker_url=args.broker,
+        queue=args.queue,
+        store_url=args.store,
+        consumer=args.consumer,
+        concurrency=args.concurrency,
+        prefetch=args.prefetch,
+        max_attempts=args.max_attempts,
+    )
+    err_console.print(f"idemq worker stopped: {stats}")
+    return EXIT_OK
+
+
+def cmd_id_new(args: argparse.Namespace) -> int:
+    from idemq.ids import generate_ids  # noqa: PLC0415
+
+    for message_id in generate_ids(
+        args.prefix, args.node, args.n, sequence_digits=args.sequence_digits
+    ):
+        print(message_id)
+    return EXIT_OK
+
+
+def cmd_id_parse(args: argparse.Namespace) -> int:
+    from idemq.ids import parse_message_id  # noqa: PLC0415
+
+    _print_json(parse_message_id(args.id).to_dict())
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from idemq.stores import open_store  # noqa: PLC0415
+
+    store = open_store(args.store)
+    try:
+        records = store.find(args.id)
+    finally:
+        store.close()
+    if args.consumer:
+        records = [r for r in records if r.consumer == args.consumer]
+    if args.json:
+        _print_json([record_dict(r) for r in records])
+    elif records:
+        for record in records:
+            table = Table(title=f"{record.message_id} ({record.consumer})", show_header=False)
+            for key, value in record_dict(record).items():
+                table.add_row(
+                    key, json.dumps(value, ensure_ascii=False) if key == "result" else str(value)
+                )
+            console.print(table)
+    else:
+        err_console.print(f"no record of message id {args.id!r}")
+    return EXIT_OK if records else EXIT_NOT_FOUND
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    from idemq.stores import open_store  # noqa: PLC0415
+
+    store = open_store(args.store)
+    try:
+        deleted = store.purge(args.older_than, batch_size=args.batch_size)
+    finally:
+        store.close()
+    if args.json:
+        _print_json({"deleted": deleted})
+    else:
+        console.print(f"deleted {deleted} processed records older than {args.older_than}")
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from idemq.stores.sql import SqlStore, schema_sql  # noqa: PLC0415
+
+    if args.store:
+        store = SqlStore(args.store, table=args.table)
+        try:
+            store.create_schema()
+        finally:
+            store.close()
+        err_console.print(f"created (if missing) table {args.table} in {store.where}")
+        return EXIT_OK
+    print(schema_sql(args.dialect, table=args.table), end="")
+    return EXIT_OK
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="idemq", description="Exactly-once effects for at-least-once message consumers."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str, func: Callable[[argparse.Namespace], int], help_: str
+    ) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help_, description=help_)
+        command.set_defaults(func=func)
+        return command
+
+    demo = add("demo", cmd_demo, "the three causes of duplicates, live, on SQLite (no servers)")
+    demo.add_argument("--orders", type=int, default=120, help="distinct messages (default 120)")
+    demo.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    demo.add_argument("--no-guard", action="store_true", help="run without idemq, to compare")
+    demo.add_argument("--dir", help="where the queue and ledger files go (default: a temp dir)")
+    demo.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+
+    worker = add("worker", cmd_worker, "run MODULE:HANDLER behind the guard on a broker")
+    worker.add_argument("handler", metavar="MODULE:HANDLER")
+    worker.add_argument(
+        "--broker",
+        required=True,
+        help="amqp://, kafka://, nats://, redis://, mqtt:// or embedded:///path/queue.db",
+    )
+    worker.add_argument("--queue", required=True, help="queue / topic / stream / subject")
+    worker.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    worker.add_argument("--consumer", help="dedup scope (default: the queue name)")
+    worker.add_argument("--concurrency", type=int, default=1)
+    worker.add_argument("--prefetch", type=int)
+    worker.add_argument(
+        "--max-attempts",
+        type=int,
+        default=5,
+        help="handler failures before dead-lettering (default 5)",
+    )
+
+    ids = add("id", lambda _: EXIT_USAGE, "message ids: PREFIX_yyyyMMddHHmmssSSS_NODE_SEQ")
+    id_sub = ids.add_subparsers(dest="id_command", required=True, metavar="new|parse")
+    new = id_sub.add_parser("new", help="print fresh ids")
+    new.set_defaults(func=cmd_id_new)
+    new.add_argument("--prefix", required=True)
+    new.add_argument("--node", required=True)
+    new.add_argument("-n", type=int, default=1, help="how many (default 1)")
+    new.add_argument("--sequence-digits", type=int, default=4)
+    parse = id_sub.add_parser("parse", help="split an id into its parts (JSON)")
+    parse.set_defaults(func=cmd_id_parse)
+    parse.add_argument("id")
+
+    inspect = add("inspect", cmd_inspect, "show what the store knows of a message id")
+    inspect.add_argument("id")
+    inspect.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    inspect.add_argument("--consumer", help="only this consumer's record")
+    inspect.add_argument("--json", action="store_true")
+
+    purge = add("purge", cmd_purge, "delete processed records older than a duration")
+    purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d, 12h")
+    purge.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    purge.add_argument(
+        "--batch-size",
+        type=int,
+        default=1000,
+        help="rows per transaction, so no long lock is held (default 1000)",
+    )
+    purge.add_argument("--json", action="store_true")
+
+    schema = add("schema", cmd_schema, "print the dedup table's DDL (or create it with --store)")
+    schema.add_argument(
+        "--dialect", choices=["postgresql", "mysql", "mariadb", "sqlite"], default="postgresql"
+    )
+    schema.add_argument("--table", default="message_idempotent")
+    schema.add_argument("--store", help="create the table in this database instead of printing")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``idemq`` script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_path=False)],
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ConfigurationError, InvalidInputError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return EXIT_USAGE
+    except StoreError as exc:
+        err_console.print(f"[red]store error:[/red] {exc}")
+        return EXIT_STORE
+    except IdemqError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
