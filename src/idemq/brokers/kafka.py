@@ -34,7 +34,7 @@ from idemq.message import MESSAGE_ID_HEADER
 
 __all__ = ["KafkaBroker"]
 
-NewTopic: Any = confluent_kafka.admin.NewTopic  # not re-exported in the stubs
+NewTopic: Any = confluent_kafka.admin.NewTopic  # type: ignore[attr-defined]  # not in stubs
 
 ATTEMPT_HEADER = "idemq-delivery-attempt"
 NOT_BEFORE_HEADER = "idemq-not-before-ms"
