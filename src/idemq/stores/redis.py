@@ -209,6 +209,11 @@ class AsyncRedisStore:
         return f"AsyncRedisStore({self._server}, prefix={self._layout.prefix!r})"
 
     @property
+    def prefix(self) -> str:
+        """The key namespace of this store's records."""
+        return self._layout.prefix
+
+    @property
     def client(self) -> redis.asyncio.Redis:
         """The underlying redis-py asyncio client (for tests and ops)."""
         return self._client
