@@ -45,6 +45,10 @@ class Family:
         """The queue/subject/topic/stream the message came from (for dead-letter headers)."""
         return ""
 
+    def settled_on_arrival(self, msg: Any) -> bool:
+        """Whether the broker already considers the message acknowledged (no-ack consume)."""
+        return False
+
     async def broker_attempt(self, msg: Any) -> int:
         """The delivery count as the broker reports it (1 = first), or 0 when it cannot tell."""
         return 0
@@ -69,6 +73,10 @@ class RabbitFamily(Family):
 
     def source(self, msg: Any) -> str:
         return str(getattr(msg.raw_message, "routing_key", "") or "")
+
+    def settled_on_arrival(self, msg: Any) -> bool:
+        # aio-pika locks a delivery consumed with no_ack (FastStream's ACK_FIRST) on arrival.
+        return bool(getattr(msg.raw_message, "locked", False))
 
     async def broker_attempt(self, msg: Any) -> int:
         # Quorum queues count deliveries; classic queues only have the `redelivered` flag.

@@ -166,12 +166,8 @@ class IdempotencyMiddleware:
         self, call_next: Callable[[Any], Awaitable[Any]], msg: Any, context: Any
     ) -> Any:
         """Guard, run and settle one delivery (see the module docstring)."""
-        if msg.committed is not None:
-            raise ConfigurationError(
-                f"message was settled ({msg.committed}) before idemq ran: a subscriber behind "
-                "IdempotencyMiddleware must not use AckPolicy.ACK_FIRST"
-            )
         family = family_of(msg)
+        _refuse_ack_first(msg, family, context)
         while True:
             settlement, message_id, result = await self._attempt(call_next, msg, context, family)
             if isinstance(settlement, Ack):
@@ -275,6 +271,24 @@ class IdempotencyMiddleware:
                 await family.retry(msg, self.retry_policy.store_unavailable_delay_s)
                 return
         await family.dead_letter(msg)
+
+
+def _refuse_ack_first(msg: Any, family: Family, context: Any) -> None:
+    """Refuse a message the broker or FastStream already acknowledged (``AckPolicy.ACK_FIRST``).
+
+    Acked before the effect committed, a crash now would lose it; silently running the guard
+    anyway would advertise a guarantee that does not hold. FastStream 0.7 shows ACK_FIRST three
+    ways: a ``committed`` status (Kafka auto-commit, the ACK_FIRST middleware), a no-ack AMQP
+    delivery (RabbitMQ consumes with ``no_ack``), and the subscriber's ``ack_policy``.
+    """
+    subscriber = context.get_local("handler_")
+    policy = getattr(subscriber, "ack_policy", None)
+    if msg.committed is not None or family.settled_on_arrival(msg) or policy == "ack_first":
+        raise ConfigurationError(
+            "message was acknowledged before idemq ran (AckPolicy.ACK_FIRST): a subscriber "
+            "behind IdempotencyMiddleware needs AckPolicy.ACK, REJECT_ON_ERROR, NACK_ON_ERROR "
+            "or MANUAL (Kafka subscribers default to ACK_FIRST)"
+        )
 
 
 def _str_headers(headers: Mapping[str, Any] | None) -> dict[str, str]:

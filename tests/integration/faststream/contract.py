@@ -153,14 +153,17 @@ class FastStreamContract(abc.ABC):
         db: Db,
         name: str,
         body: Callable[[Any, Deliveries], Awaitable[None]],
+        *,
+        guard: AsyncIdempotency | None = None,
+        apply: Apply | None = None,
         **middleware: Any,
     ) -> None:
         """Start a broker with the middleware, run ``body(broker, deliveries)``, clean up."""
-        guard = AsyncIdempotency(db.store, consumer=name)
+        guard = guard or AsyncIdempotency(db.store, consumer=name)
         middleware.setdefault("retry_policy", FAST)
         deliveries = Deliveries()
         broker = self.make_broker([deliveries, IdempotencyMiddleware(guard, **middleware)])
-        self.subscribe(broker, name, db.apply)
+        self.subscribe(broker, name, apply or db.apply)
         try:
             await broker.start()
             await body(broker, deliveries)
@@ -264,6 +267,50 @@ class FastStreamContract(abc.ABC):
         await self.run(db, name, body, on_dead_letter=on_dead_letter)
         assert "no message id" in dead[0]
         assert await db.rows() == Counter({good: 1})
+
+    async def test_lease_mode_in_progress_waits_for_the_holder(self, db: Db, name: str) -> None:
+        """Lease mode: the handler runs without a transaction; a message whose id another
+        worker holds is not acked but retried, and reads as DUPLICATE once the holder is done."""
+        guard = AsyncIdempotency(db.store, consumer=name, mode="lease", lease_s=30)
+        holder = AsyncIdempotency(db.store, consumer=name, mode="lease", lease_s=30)
+        order = unique("held")
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(_tx: Any) -> dict[str, str]:
+            entered.set()
+            await release.wait()
+            async with db.store.engine.begin() as conn:
+                await conn.execute(
+                    sa.text(f"INSERT INTO {db.table} (order_id) VALUES (:o)"), {"o": order}
+                )
+            return {"paid": "by the holder"}
+
+        async def apply(body: Any, tx: Any) -> Any:
+            assert tx is None, "lease mode has no dedup transaction"
+            db.calls[body["order_id"]] += 1
+            return {"paid": "by the subscriber"}
+
+        async def body(broker: Any, deliveries: Deliveries) -> None:
+            holding = asyncio.create_task(holder.process(f"msg-{order}", hold))
+            await entered.wait()
+            await self.publish(broker, name, {"order_id": order}, f"msg-{order}")
+            await wait_until(lambda: _true(deliveries.done >= 2), "a retried IN_PROGRESS")
+            release.set()
+            await holding
+            # A retry already decided before the release may still arrive once more; after it
+            # the message must be acked: no delivery for several retry delays.
+            await wait_until(lambda: _quiet(deliveries, 1.0), "the message to be acked")
+
+        await self.run(db, name, body, guard=guard, apply=apply)
+        assert db.calls[order] == 0, "the subscriber never ran the held message"
+        assert await db.rows() == Counter({order: 1})
+
+
+async def _quiet(deliveries: Deliveries, for_s: float) -> bool:
+    """True once no delivery finished for ``for_s`` (more than three retry delays)."""
+    before = deliveries.done
+    await asyncio.sleep(for_s)
+    return deliveries.done == before
 
 
 async def _true(value: bool) -> bool:
