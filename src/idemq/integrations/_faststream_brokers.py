@@ -75,8 +75,10 @@ class RabbitFamily(Family):
         return str(getattr(msg.raw_message, "routing_key", "") or "")
 
     def settled_on_arrival(self, msg: Any) -> bool:
-        # aio-pika locks a delivery consumed with no_ack (FastStream's ACK_FIRST) on arrival.
-        return bool(getattr(msg.raw_message, "locked", False))
+        # aio-pika locks a delivery consumed with no_ack (FastStream's ACK_FIRST) on arrival. It
+        # also locks one without a delivery tag, which no broker sent (FastStream's TestBroker).
+        raw = msg.raw_message
+        return bool(getattr(raw, "locked", False) and getattr(raw, "delivery_tag", None))
 
     async def broker_attempt(self, msg: Any) -> int:
         # Quorum queues count deliveries; classic queues only have the `redelivered` flag.

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from faststream import AckPolicy, BaseMiddleware
-from faststream.rabbit import RabbitBroker, RabbitQueue
+from faststream.rabbit import RabbitBroker, RabbitQueue, TestRabbitBroker
 
 from idemq import AsyncIdempotency, AsyncSqlStore, ConfigurationError
 from idemq.integrations.faststream import IdempotencyMiddleware
@@ -126,5 +126,30 @@ async def test_ack_first_subscriber_is_refused(tmp_path: Any) -> None:
     assert [type(e) for e in errors] == [ConfigurationError]
     assert ran == []
     assert await store.get("m-1", consumer=name) is None
+    await store.drop_schema()
+    await store.engine.dispose()
+
+
+async def test_smoke_with_faststream_test_broker(tmp_path: Any) -> None:
+    """FastStream's in-memory TestRabbitBroker runs the middleware too (an addition to the live
+    tests above, not a replacement): the second publish with the same id does not run the body."""
+    store = AsyncSqlStore(f"sqlite:///{tmp_path / 'idemq.db'}", table=unique("mi"))
+    await store.create_schema()
+    guard = AsyncIdempotency(store, consumer="smoke")
+    broker = RabbitBroker(URL, middlewares=[IdempotencyMiddleware(guard)])
+    ran: list[Any] = []
+
+    @broker.subscriber("smoke-orders")
+    async def handle(body: Any) -> dict[str, Any]:
+        ran.append(body)
+        return {"ok": body["n"]}
+
+    async with TestRabbitBroker(broker) as test_broker:
+        await test_broker.publish({"n": 1}, queue="smoke-orders", message_id="s-1")
+        await test_broker.publish({"n": 1}, queue="smoke-orders", message_id="s-1")
+    assert ran == [{"n": 1}]
+    record = await store.get("s-1", consumer="smoke")
+    assert record is not None
+    assert record.result == '{"ok":1}'
     await store.drop_schema()
     await store.engine.dispose()
