@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
+from idemq.brokers.base import Verdict
 from idemq.brokers.embedded import EmbeddedBroker
 from idemq.errors import AlreadySettledError
+from idemq.message import Message
+from idemq.worker import Worker, open_guard
+from tests.conftest import unique
 
-from .contract import BrokerContract
+from .contract import FAST, SRC, BrokerContract, Business, Running, wait_for
 
 
 class TestEmbedded(BrokerContract):
@@ -72,3 +82,86 @@ def test_settling_twice_raises(tmp_path: Path) -> None:
     with pytest.raises(AlreadySettledError):
         delivery.retry(0)
     broker.close()
+
+
+COUNTING_HANDLER = """
+import os
+import sqlalchemy as sa
+
+def handle(msg, tx):
+    tx.execute(
+        sa.text(f"INSERT INTO {os.environ['EFFECTS_TABLE']} (message_id, n) VALUES (:m, :p)"),
+        {"m": msg.id, "p": os.getpid()},
+    )
+"""
+
+RUN_WORKER = """
+import logging, sys
+from idemq.worker import run_worker
+
+logging.basicConfig(level=logging.INFO)
+run_worker("counting_handler:handle", broker_url=sys.argv[1], queue=sys.argv[2],
+           store_url=sys.argv[3], consumer="shared", concurrency=2)
+"""
+
+
+def test_several_worker_processes_share_one_queue(tmp_path: Path) -> None:
+    (tmp_path / "counting_handler.py").write_text(COUNTING_HANDLER)
+    business = Business(f"sqlite:///{tmp_path / 'business.db'}")
+    url = f"embedded://{tmp_path / 'queue.db'}?visibility_timeout_s=5"
+    broker = EmbeddedBroker.from_url(url)
+    ids = [f"P{i:03d}" for i in range(60)]
+    for message_id in ids:
+        broker.publish("q", b"{}", message_id=message_id)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{SRC}{os.pathsep}{tmp_path}",
+        "EFFECTS_TABLE": business.table,
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RUN_WORKER, url, "q", business.url],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(3)
+    ]
+    try:
+        wait_for(lambda: set(business.counts()) == set(ids), 60, "all 60 effects")
+        wait_for(lambda: broker.depth("q") == 0, 20, "every message acked")
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(30) for proc in procs]
+        broker.close()
+    assert codes == [0, 0, 0]
+    assert business.counts() == Counter({message_id: 1 for message_id in ids})
+    business.drop()
+
+
+def test_redis_lease_store_guards_an_effect_outside_the_store(
+    tmp_path: Path, redis_url: str
+) -> None:
+    business = Business(f"sqlite:///{tmp_path / 'business.db'}")
+    guard = open_guard(redis_url, unique("c"))
+    assert guard.mode.name == "LEASE"
+
+    def handler(msg: Message, tx: object) -> None:
+        assert tx is None  # lease mode: the effect is not in the store's transaction
+        with business.engine.begin() as conn:
+            conn.execute(
+                sa.text(f"INSERT INTO {business.table} (message_id, n) VALUES (:m, 1)"),
+                {"m": msg.id},
+            )
+
+    broker = EmbeddedBroker(tmp_path / "q.db")
+    for message_id in ["R1", "R2", "R1"]:  # R1 twice: a producer retry
+        broker.publish("q", b"{}", message_id=message_id)
+    worker = Worker(handler, broker, guard, "q", policy=FAST)
+    running = Running(worker)
+    wait_for(lambda: worker.stats.deliveries == 3, 20, "three deliveries")
+    running.stop()
+    guard.store.close()
+    assert business.counts() == Counter({"R1": 1, "R2": 1})
+    assert worker.stats.verdicts[Verdict.DUPLICATE] == 1
+    business.drop()
