@@ -112,6 +112,16 @@ class WorkerStats:
         """Deliveries handled, duplicates and retries included."""
         return sum(self.verdicts.values())
 
+    def summary(self) -> dict[str, int]:
+        """Counts by verdict name, e.g. ``{"processed": 10, "duplicate": 2}``."""
+        out = {verdict.value: count for verdict, count in self.verdicts.items()}
+        if self.settle_failures:
+            out["settle_failures"] = self.settle_failures
+        return out
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name}={count}" for name, count in self.summary().items()) or "idle"
+
 
 class Worker:
     """Pulls deliveries from one queue; runs each through the guard on ``concurrency`` threads."""
@@ -162,7 +172,7 @@ class Worker:
                 # leaving the with-block waits for in-flight handlers: they finish and settle
         finally:
             self.broker.close()
-        log.info("idemq worker stopped: %s", dict(self.stats.verdicts))
+        log.info("idemq worker stopped: %s", self.stats)
         return self.stats
 
     def handle(self, delivery: Delivery) -> Verdict:
