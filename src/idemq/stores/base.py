@@ -34,6 +34,7 @@ __all__ = [
     "Record",
     "RecordStatus",
     "Store",
+    "StoreStats",
     "TransactionalStore",
 ]
 
@@ -114,6 +115,31 @@ class Claim:
 _WON = Claim(acquired=True)
 
 
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """What an operator asks of a dedup store at 3 a.m. (``idemq stats``, the metrics gauges).
+
+    Counts cover every consumer. ``stuck`` is the number of PROCESSING records whose lease has
+    expired at ``now_ms``: a worker claimed them and neither completed nor released them (it
+    crashed, or it is still running past its lease). ``size_bytes`` is the backend's own
+    estimate, ``None`` where it cannot tell; ``size_method`` says how it was obtained.
+    """
+
+    processing: int
+    processed: int
+    stuck: int
+    oldest_processing: datetime | None  # created_time of the oldest PROCESSING record (UTC)
+    oldest_processed: datetime | None  # processed_time of the oldest PROCESSED record (UTC)
+    size_bytes: int | None
+    size_method: str
+    now_ms: int  # the time ``stuck`` was judged at
+
+    @property
+    def total(self) -> int:
+        """Records of either status."""
+        return self.processing + self.processed
+
+
 @runtime_checkable
 class Store(Protocol):
     """Lease-mode primitives (every store has them)."""
@@ -141,6 +167,14 @@ class Store(Protocol):
     ) -> int:
         """Delete PROCESSED records older than ``older_than`` (relative to ``now_ms``, default
         the wall clock) in bounded batches; return how many were deleted."""
+
+    def stats(self, *, now_ms: int | None = None) -> StoreStats:
+        """Counts by status, oldest records, stuck leases at ``now_ms``, approximate size."""
+
+    def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
+        """Operator's override: delete the PROCESSING record whoever owns it; True if deleted.
+
+        A PROCESSED record is never touched (deleting it would let the message run twice)."""
 
     def close(self) -> None: ...
 
@@ -186,6 +220,10 @@ class AsyncStore(Protocol):
     async def purge(
         self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
     ) -> int: ...
+
+    async def stats(self, *, now_ms: int | None = None) -> StoreStats: ...
+
+    async def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool: ...
 
     async def close(self) -> None: ...
 

@@ -13,7 +13,15 @@ from datetime import UTC, datetime, timedelta
 
 from idemq.core import system_clock_ms
 from idemq.errors import LeaseLostError
-from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, RecordStatus
+from idemq.stores.base import (
+    DEFAULT_CONSUMER,
+    Claim,
+    ClaimRequest,
+    Key,
+    Record,
+    RecordStatus,
+    StoreStats,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -117,6 +125,36 @@ class MemoryStore:
             for k in doomed:
                 del self._records[k]
         return len(doomed)
+
+    def stats(self, *, now_ms: int | None = None) -> StoreStats:
+        """Counts, oldest records and stuck leases; no size (it lives in this process)."""
+        now = now_ms if now_ms is not None else system_clock_ms()
+        with self._lock:
+            records = list(self._records.values())
+        processing = [r for r in records if r.status is RecordStatus.PROCESSING]
+        processed = [r.processed_time for r in records if r.processed_time is not None]
+        return StoreStats(
+            processing=len(processing),
+            processed=len(records) - len(processing),
+            stuck=sum(1 for r in processing if r.lease_expired(now)),
+            oldest_processing=min(
+                (r.created_time for r in processing if r.created_time), default=None
+            ),
+            oldest_processed=min(processed, default=None),
+            size_bytes=None,
+            size_method="unknown (in-process memory)",
+            now_ms=now,
+        )
+
+    def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
+        """Delete the PROCESSING record whoever owns it; a PROCESSED one is left alone."""
+        key = Key(consumer, message_id)
+        with self._lock:
+            current = self._records.get(key)
+            if current is None or current.status is not RecordStatus.PROCESSING:
+                return False
+            del self._records[key]
+            return True
 
     def close(self) -> None:
         """Nothing to close."""

@@ -32,7 +32,7 @@ from redis import exceptions as rx
 from idemq.core import Clock, system_clock_ms
 from idemq.errors import ConfigurationError
 from idemq.stores import redis_ops as ops
-from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record
+from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, StoreStats
 from idemq.stores.redis_io import (
     Batch,
     Call,
@@ -168,6 +168,16 @@ class RedisStore:
         cutoff_ms = _cutoff_ms(self._clock if now_ms is None else now_ms, older_than)
         return drive(ops.purge(self._layout, cutoff_ms, batch_size), self._execute)
 
+    def stats(self, *, now_ms: int | None = None) -> StoreStats:
+        """Counts, oldest records, stuck leases (at ``now_ms``, default the store's clock) and
+        an estimated size; SCANs the prefix, so it is for ops, not hot paths."""
+        now = self._clock() if now_ms is None else now_ms
+        return drive(ops.stats(self._layout, now), self._execute)
+
+    def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
+        """Delete the PROCESSING record whoever owns it (never a PROCESSED one); True if done."""
+        return drive(ops.force_release(self._layout, Key(consumer, message_id)), self._execute)
+
     def close(self) -> None:
         """Close the client if this store created it from a URL."""
         if self._owns_client:
@@ -268,6 +278,16 @@ class AsyncRedisStore:
         """See :meth:`RedisStore.purge`."""
         cutoff_ms = _cutoff_ms(self._clock if now_ms is None else now_ms, older_than)
         return await adrive(ops.purge(self._layout, cutoff_ms, batch_size), self._execute)
+
+    async def stats(self, *, now_ms: int | None = None) -> StoreStats:
+        """See :meth:`RedisStore.stats`."""
+        now = self._clock() if now_ms is None else now_ms
+        return await adrive(ops.stats(self._layout, now), self._execute)
+
+    async def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
+        """See :meth:`RedisStore.force_release`."""
+        key = Key(consumer, message_id)
+        return await adrive(ops.force_release(self._layout, key), self._execute)
 
     async def close(self) -> None:
         """Close the client if this store created it from a URL."""

@@ -19,9 +19,17 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from idemq.errors import ConfigurationError, LeaseLostError, StoreError
-from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
+from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus, StoreStats
 from idemq.stores.redis_io import Batch, Call, Op, RunScript, text
-from idemq.stores.redis_scripts import CLAIM, CLAIM_MANY, COMPLETE, FIELDS, PURGE, RELEASE
+from idemq.stores.redis_scripts import (
+    CLAIM,
+    CLAIM_MANY,
+    COMPLETE,
+    FIELDS,
+    FORCE_RELEASE,
+    PURGE,
+    RELEASE,
+)
 
 __all__ = [
     "Layout",
@@ -29,16 +37,20 @@ __all__ = [
     "claim_many",
     "complete",
     "find",
+    "force_release",
     "get",
     "glob_escape",
     "in_progress",
     "parse_record",
     "purge",
     "release",
+    "stats",
 ]
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _SCAN_COUNT = 1000
+MEMORY_SAMPLE = 64
+"""Records whose MEMORY USAGE is asked for by :func:`stats` (the size is extrapolated)."""
 _GLOB_SPECIALS = frozenset("*?[]\\")
 
 
@@ -242,3 +254,60 @@ def purge(layout: Layout, cutoff_ms: int, batch_size: int) -> Op[int]:
             deleted += yield RunScript(PURGE, tuple(keys[start : start + batch_size]), (cutoff_ms,))
         if cursor == 0:
             return deleted
+
+
+def force_release(layout: Layout, key: Key) -> Op[bool]:
+    deleted = yield RunScript(FORCE_RELEASE, (layout.key(key),), ())
+    return bool(deleted == 1)
+
+
+def _min_ms(current: int | None, value: str | None) -> int | None:
+    if not value:
+        return current
+    ms = int(value)
+    return ms if current is None or ms < current else current
+
+
+def stats(layout: Layout, now_ms: int) -> Op[StoreStats]:
+    """Counts by SCAN + pipelined HMGET (O(records): an operator's tool, not a hot path).
+
+    The size is estimated: the mean ``MEMORY USAGE`` of up to :data:`MEMORY_SAMPLE` records,
+    spread over the key space, times the number of records.
+    """
+    raw_keys = yield from _scan(layout.pattern_all())
+    keys = [raw for raw in raw_keys if layout.parse_key(raw) is not None]
+    processing = processed = stuck = 0
+    oldest_created: int | None = None
+    oldest_processed: int | None = None
+    for start in range(0, len(keys), _SCAN_COUNT):
+        chunk = keys[start : start + _SCAN_COUNT]
+        replies = yield Batch(tuple(("HMGET", raw, "s", "l", "c", "p") for raw in chunk))
+        for reply in replies:
+            status, lease, created, done = (None if v is None else text(v) for v in reply)
+            if status == "0":
+                processing += 1
+                stuck += 1 if lease and int(lease) <= now_ms else 0
+                oldest_created = _min_ms(oldest_created, created)
+            elif status == "1":
+                processed += 1
+                oldest_processed = _min_ms(oldest_processed, done)
+            # None: the record expired or was deleted since the SCAN
+    sample = keys[:: max(1, len(keys) // MEMORY_SAMPLE)][:MEMORY_SAMPLE]
+    sizes: list[int] = []
+    if sample:
+        usages = yield Batch(tuple(("MEMORY", "USAGE", raw) for raw in sample))
+        sizes = [int(u) for u in usages if u is not None]
+    count = processing + processed
+    size = round(sum(sizes) / len(sizes) * count) if sizes else 0
+    return StoreStats(
+        processing=processing,
+        processed=processed,
+        stuck=stuck,
+        oldest_processing=_datetime(None if oldest_created is None else str(oldest_created)),
+        oldest_processed=_datetime(None if oldest_processed is None else str(oldest_processed)),
+        size_bytes=size,
+        size_method=(
+            f"redis MEMORY USAGE of {len(sizes)} sampled records x {count} records (estimate)"
+        ),
+        now_ms=now_ms,
+    )

@@ -18,7 +18,16 @@ from __future__ import annotations
 
 from idemq.stores.redis_io import LuaScript
 
-__all__ = ["CLAIM", "CLAIM_ARGC", "CLAIM_MANY", "COMPLETE", "FIELDS", "PURGE", "RELEASE"]
+__all__ = [
+    "CLAIM",
+    "CLAIM_ARGC",
+    "CLAIM_MANY",
+    "COMPLETE",
+    "FIELDS",
+    "FORCE_RELEASE",
+    "PURGE",
+    "RELEASE",
+]
 
 CLAIM_ARGC = 6
 """ARGV values per claimed message (CLAIM and CLAIM_MANY)."""
@@ -142,6 +151,22 @@ return 0
 """,
 )
 
+FORCE_RELEASE = LuaScript(
+    "force_release",
+    """
+-- KEYS[1] record hash
+-- Returns 1 when a PROCESSING record was deleted whoever owned it (the operator's override of
+-- a stuck lease), 0 otherwise. The status check is here, not in the client: between an
+-- operator's look and this call the record may have been completed, and deleting a PROCESSED
+-- record would let its message run twice.
+if redis.call('HGET', KEYS[1], 's') == '0' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+""",
+)
+
 PURGE = LuaScript(
     "purge",
     """
@@ -162,4 +187,4 @@ return n
 """,
 )
 
-ALL_SCRIPTS = (CLAIM, CLAIM_MANY, COMPLETE, RELEASE, PURGE)
+ALL_SCRIPTS = (CLAIM, CLAIM_MANY, COMPLETE, RELEASE, FORCE_RELEASE, PURGE)

@@ -26,7 +26,7 @@ from idemq.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record
+from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, StoreStats
 from idemq.stores.sql_ops import Ops, Plan, Reply, ops_for
 from idemq.stores.sql_schema import DEFAULT_TABLE, build_table, collation_for, ddl
 
@@ -152,7 +152,13 @@ class _SqlBase:
         # Built on first use: MariaDB vs MySQL is only known once a connection saw the server.
         if self._ops is None:
             quoted = dialect.identifier_preparer.format_table(self.table)
-            self._ops = ops_for(dialect, quoted, mysql_flavor=self._mysql_flavor)
+            self._ops = ops_for(
+                dialect,
+                quoted,
+                mysql_flavor=self._mysql_flavor,
+                name=self.table.name,
+                schema=self.table.schema,
+            )
         return self._ops
 
     def _ddl_table(self, dialect: sa.Dialect) -> sa.Table:
@@ -379,6 +385,16 @@ class SqlStore(_SqlBase):
             if deleted < batch_size:
                 return total
 
+    def stats(self, *, now_ms: int | None = None) -> StoreStats:
+        """See :meth:`idemq.stores.base.Store.stats` (one table scan plus a size lookup)."""
+        now = system_clock_ms() if now_ms is None else now_ms
+        return self._short("stats", now, what="stats")  # type: ignore[no-any-return]
+
+    def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
+        """See :meth:`idemq.stores.base.Store.force_release`."""
+        key = Key(consumer, message_id)
+        return self._short("force_release", key, what="force_release")  # type: ignore[no-any-return]
+
     def close(self) -> None:
         self.engine.dispose()
 
@@ -532,6 +548,16 @@ class AsyncSqlStore(_SqlBase):
             total += deleted
             if deleted < batch_size:
                 return total
+
+    async def stats(self, *, now_ms: int | None = None) -> StoreStats:
+        """See :meth:`SqlStore.stats`."""
+        now = system_clock_ms() if now_ms is None else now_ms
+        return await self._short("stats", now, what="stats")  # type: ignore[no-any-return]
+
+    async def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
+        """See :meth:`SqlStore.force_release`."""
+        key = Key(consumer, message_id)
+        return await self._short("force_release", key, what="force_release")  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         await self.engine.dispose()

@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import Dialect
 
 from idemq.errors import StoreConflictError
-from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
+from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus, StoreStats
 from idemq.stores.sql_schema import as_utc
 
 __all__ = ["Ops", "Plan", "Reply", "ops_for"]
@@ -87,9 +87,13 @@ class Ops:
     )
     lock_suffix = ""  # MySQL reads the latest committed row with a locking read
 
-    def __init__(self, table: str, *, pyformat: bool) -> None:
+    def __init__(
+        self, table: str, *, pyformat: bool, name: str | None = None, schema: str | None = None
+    ) -> None:
         self.table = table
         self._pyformat = pyformat
+        self.name = name or table  # unquoted, for catalog lookups (size)
+        self.schema = schema
         t = table
         self.sql_get = self.sql(f"SELECT {COLS} FROM {t} WHERE {KEY_WHERE}")
         self.sql_get_locked = self.sql(
@@ -116,6 +120,15 @@ class Ops:
             "AND lease_until_ms <= :now_ms"
         )
         self.sql_purge = self.sql(self.purge_template.format(t=t))
+        self.sql_force_release = self.sql(f"DELETE FROM {t} WHERE {KEY_WHERE} AND status = 0")
+        # One scan of the table answers every count; transactional-mode rows are always
+        # status 1 with no lease, so only lease-mode claims can be stuck.
+        self.sql_stats = self.sql(
+            "SELECT SUM(CASE WHEN status = 0 THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN status = 1 THEN 1 ELSE 0 END), "
+            "SUM(CASE WHEN status = 0 AND lease_until_ms <= :now_ms THEN 1 ELSE 0 END), "
+            f"MIN(CASE WHEN status = 0 THEN created_time END), MIN(processed_time) FROM {t}"
+        )
 
     purge_template = (
         "DELETE FROM {t} WHERE (consumer, message_id) IN (SELECT consumer, message_id FROM {t} "
@@ -262,12 +275,36 @@ class Ops:
         reply = yield self.sql_purge, {"cutoff": self.timestamp(cutoff_ms), "limit": limit}, False
         return reply.rowcount
 
+    def force_release(self, key: Key) -> Plan:
+        """Delete the PROCESSING record whoever owns it (never a PROCESSED one)."""
+        return (yield self.sql_force_release, _key_params(key), False).rowcount == 1
+
+    def stats(self, now_ms: int) -> Plan:
+        reply = yield self.sql_stats, {"now_ms": now_ms}, True
+        processing, processed, stuck, oldest_processing, oldest_processed = reply.rows[0]
+        size_bytes, size_method = yield from self.size()
+        return StoreStats(
+            processing=int(processing or 0),
+            processed=int(processed or 0),
+            stuck=int(stuck or 0),
+            oldest_processing=None if oldest_processing is None else as_utc(oldest_processing),
+            oldest_processed=None if oldest_processed is None else as_utc(oldest_processed),
+            size_bytes=size_bytes,
+            size_method=size_method,
+            now_ms=now_ms,
+        )
+
+    def size(self) -> Plan:
+        """``(bytes or None, how)``: the table's size as the database reports it."""
+        yield from ()  # a plan with no statement: the generic dialect has no size function
+        return None, "unknown on this database"
+
 
 class PostgresOps(Ops):
     """One round trip per claim, won or lost (see the module table)."""
 
-    def __init__(self, table: str, *, pyformat: bool) -> None:
-        super().__init__(table, pyformat=pyformat)
+    def __init__(self, table: str, **kw: Any) -> None:
+        super().__init__(table, **kw)
         upsert = (
             f"INSERT INTO {table} AS cur ({INSERT_COLS}) VALUES {self._VALUES} "
             "ON CONFLICT (consumer, message_id) DO {action} RETURNING {cols}"
@@ -293,6 +330,12 @@ class PostgresOps(Ops):
             for transactional in (True, False)
         }
 
+    def size(self) -> Plan:
+        # Heap + indexes + TOAST; exact for the relation, includes dead tuples not yet vacuumed.
+        sql = self.sql("SELECT pg_total_relation_size(CAST(:name AS regclass))")
+        reply = yield sql, {"name": self.table}, True
+        return int(reply.rows[0][0]), "pg_total_relation_size (table + indexes + TOAST)"
+
     def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
         params = self.claim_params(request, transactional)
         for _ in range(CLAIM_TRIES):
@@ -311,8 +354,8 @@ class PostgresOps(Ops):
 class SqliteOps(Ops):
     """``INSERT … ON CONFLICT … RETURNING``; SQLite stores DATETIME as text."""
 
-    def __init__(self, table: str, *, pyformat: bool) -> None:
-        super().__init__(table, pyformat=pyformat)
+    def __init__(self, table: str, **kw: Any) -> None:
+        super().__init__(table, **kw)
         upsert = (
             f"INSERT INTO {table} ({INSERT_COLS}) VALUES {self._VALUES} "
             "ON CONFLICT (consumer, message_id) DO {action} RETURNING owner"
@@ -326,6 +369,23 @@ class SqliteOps(Ops):
             transactional: self.sql(upsert.format(action="NOTHING" if transactional else takeover))
             for transactional in (True, False)
         }
+
+    def size(self) -> Plan:
+        probe = "SELECT 1 FROM pragma_compile_options WHERE compile_options = 'ENABLE_DBSTAT_VTAB'"
+        if (yield probe, {}, True).rows:
+            # Pages of the table and of its indexes (the primary key's autoindex included).
+            reply = yield (
+                self.sql(
+                    "SELECT SUM(pgsize) FROM dbstat WHERE name IN "
+                    "(SELECT name FROM sqlite_master WHERE tbl_name = :name)"
+                ),
+                {"name": self.name},
+                True,
+            )
+            return int(reply.rows[0][0] or 0), "sqlite dbstat (table + indexes)"
+        whole_file = "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()"
+        reply = yield whole_file, {}, True
+        return int(reply.rows[0][0]), "sqlite page_count * page_size (whole database file)"
 
     def timestamp(self, now_ms: int) -> Any:
         # SQLAlchemy's SQLite DateTime text format, so Core readers parse what we write.
@@ -352,12 +412,25 @@ class MySqlOps(Ops):
         "ORDER BY processed_time LIMIT :limit"
     )
 
+    def size(self) -> Plan:
+        # InnoDB refreshes these statistics lazily (ANALYZE TABLE forces it): approximate.
+        sql = self.sql(
+            "SELECT data_length + index_length FROM information_schema.tables "
+            "WHERE table_schema = COALESCE(:schema, DATABASE()) AND table_name = :name"
+        )
+        reply = yield sql, {"schema": self.schema, "name": self.name}, True
+        value = reply.rows[0][0] if reply.rows else None
+        return (
+            None if value is None else int(value),
+            "information_schema data_length + index_length (approximate)",
+        )
+
 
 class MariaDbOps(MySqlOps):
     """MariaDB ≥ 10.5: ``INSERT … ON DUPLICATE KEY UPDATE … RETURNING`` claims in one statement."""
 
-    def __init__(self, table: str, *, pyformat: bool) -> None:
-        super().__init__(table, pyformat=pyformat)
+    def __init__(self, table: str, **kw: Any) -> None:
+        super().__init__(table, **kw)
         upsert = (
             f"INSERT INTO {table} ({INSERT_COLS}) VALUES {self._VALUES} ON DUPLICATE KEY UPDATE "
         )
@@ -384,15 +457,26 @@ class MariaDbOps(MySqlOps):
         return Claim.won() if record.owner == request.owner else Claim.lost_to(record)
 
 
-def ops_for(dialect: Dialect, table: str, *, mysql_flavor: str | None = None) -> Ops:
-    """The plans for ``dialect``; ``mysql_flavor`` ("mysql"/"mariadb") overrides detection."""
+def ops_for(
+    dialect: Dialect,
+    table: str,
+    *,
+    mysql_flavor: str | None = None,
+    name: str | None = None,
+    schema: str | None = None,
+) -> Ops:
+    """The plans for ``dialect``; ``mysql_flavor`` ("mysql"/"mariadb") overrides detection.
+
+    ``table`` is the quoted name used in statements; ``name``/``schema`` the unquoted parts,
+    for catalog lookups."""
     pyformat = dialect.paramstyle in ("pyformat", "format")
+    kw: dict[str, Any] = {"pyformat": pyformat, "name": name, "schema": schema}
     if dialect.name == "postgresql":
-        return PostgresOps(table, pyformat=pyformat)
+        return PostgresOps(table, **kw)
     if dialect.name == "sqlite":
-        return SqliteOps(table, pyformat=pyformat)
+        return SqliteOps(table, **kw)
     if dialect.name in ("mysql", "mariadb"):
         flavor = mysql_flavor or ("mariadb" if getattr(dialect, "is_mariadb", False) else "mysql")
         cls = MariaDbOps if flavor == "mariadb" else MySqlOps
-        return cls(table, pyformat=pyformat)
-    return Ops(table, pyformat=pyformat)
+        return cls(table, **kw)
+    return Ops(table, **kw)
