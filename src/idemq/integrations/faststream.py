@@ -205,7 +205,9 @@ class IdempotencyMiddleware:
                 payload=msg.body if self.check_payload else None,
             )
         except IgnoredException:
-            raise  # the handler raised Ack/Nack/RejectMessage itself: FastStream settles it
+            # The handler raised FastStream's Ack/Nack/Reject/SkipMessage: it took settlement
+            # into its own hands (the dedup transaction was rolled back, the claim released).
+            raise
         except Exception as exc:
             verdict = classify(exc)
             attempt = 1
@@ -235,6 +237,8 @@ class IdempotencyMiddleware:
             except Exception as exc:
                 raise InvalidMessageError(f"body cannot be decoded: {exc!r}") from exc
         if self.key is None:
+            # decode() owns the precedence rule shared with `idemq worker`: the broker's id,
+            # then the idemq-message-id header (the body is not needed for that).
             message, error = decode(b"", headers, broker_message_id=family.broker_message_id(msg))
             if message is None:
                 raise InvalidMessageIdError(error or "no message id")

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.mqtt
 
 
 class TestMQTT(FastStreamContract):
+    retries_in_place = True
+
     @pytest.fixture(autouse=True)
     def _mqtt(self) -> None:
         require_service("mqtt")
