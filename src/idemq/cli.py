@@ -17,15 +17,18 @@ from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.prompt import Confirm
 from rich.table import Table
 
+from idemq.admin import record_dict
 from idemq.errors import ConfigurationError, IdemqError, InvalidInputError, StoreError
-from idemq.stores.base import Record
 
 __all__ = [
+    "EXIT_ABORTED",
     "EXIT_FAILED",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
+    "EXIT_REFUSED",
     "EXIT_STORE",
     "EXIT_USAGE",
     "main",
@@ -36,6 +39,8 @@ EXIT_FAILED = 1  # the command ran and the answer is "no" (demo invariant violat
 EXIT_USAGE = 2  # bad arguments or configuration (argparse uses 2 as well)
 EXIT_NOT_FOUND = 3  # inspect: no such message id
 EXIT_STORE = 4  # the store could not be reached or failed
+EXIT_ABORTED = 5  # release: the operator said no (or no TTY to ask on and no --yes)
+EXIT_REFUSED = 6  # release: the record is PROCESSED (deleting it would let it run twice)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -56,21 +61,11 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, default=str, ensure_ascii=False))
 
 
-def record_dict(record: Record) -> dict[str, Any]:
-    """A store record as plain JSON-friendly data (result decoded)."""
-    return {
-        "consumer": record.consumer,
-        "message_id": record.message_id,
-        "status": record.status.name.lower(),
-        "business_id": record.business_id,
-        "payload_hash": record.payload_hash,
-        "result": None if record.result is None else json.loads(record.result),
-        "owner": record.owner,
-        "lease_until_ms": record.lease_until_ms,
-        "attempts": record.attempts,
-        "created_time": record.created_time.isoformat() if record.created_time else None,
-        "processed_time": record.processed_time.isoformat() if record.processed_time else None,
-    }
+def _record_table(data: dict[str, Any]) -> Table:
+    table = Table(title=f"{data['message_id']} ({data['consumer']})", show_header=False)
+    for key, value in data.items():
+        table.add_row(key, json.dumps(value, ensure_ascii=False) if key == "result" else str(value))
+    return table
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -162,28 +157,106 @@ def cmd_id_parse(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from idemq.admin import find_records  # noqa: PLC0415
     from idemq.stores import open_store  # noqa: PLC0415
 
     store = open_store(args.store)
     try:
-        records = store.find(args.id)
+        records = find_records(store, args.id, args.consumer)
     finally:
         store.close()
-    if args.consumer:
-        records = [r for r in records if r.consumer == args.consumer]
     if args.json:
-        _print_json([record_dict(r) for r in records])
+        _print_json(records)
     elif records:
         for record in records:
-            table = Table(title=f"{record.message_id} ({record.consumer})", show_header=False)
-            for key, value in record_dict(record).items():
-                table.add_row(
-                    key, json.dumps(value, ensure_ascii=False) if key == "result" else str(value)
-                )
-            console.print(table)
+            console.print(_record_table(record))
     else:
         err_console.print(f"no record of message id {args.id!r}")
     return EXIT_OK if records else EXIT_NOT_FOUND
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from idemq.admin import stats_report  # noqa: PLC0415
+    from idemq.stores import open_store  # noqa: PLC0415
+
+    store = open_store(args.store)
+    try:
+        report = stats_report(store)
+    finally:
+        store.close()
+    if args.json:
+        _print_json(report)
+        return EXIT_OK
+    table = Table(title=f"idemq store {report['store']}", show_header=False)
+    table.add_row("processing", str(report["records"]["processing"]))
+    table.add_row("processed", str(report["records"]["processed"]))
+    table.add_row("stuck leases (expired, not completed)", str(report["stuck_leases"]))
+    table.add_row(
+        "oldest processing",
+        f"{report['oldest_processing']} ({report['oldest_processing_age_s']} s ago)"
+        if report["oldest_processing"]
+        else "-",
+    )
+    table.add_row("oldest processed", str(report["oldest_processed"] or "-"))
+    size = report["size_bytes"]
+    table.add_row("size", f"{size:,} bytes ({report['size_method']})" if size is not None else "?")
+    console.print(table)
+    if report["stuck_records"]:
+        stuck = Table(title="oldest stuck leases (free one with `idemq release ID`)")
+        columns = ("consumer", "message_id", "created_time", "attempts", "owner")
+        for column in columns:
+            stuck.add_column(column)
+        for record in report["stuck_records"]:
+            stuck.add_row(*(str(record[c]) for c in columns))
+        console.print(stuck)
+    return EXIT_OK
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from idemq.admin import ReleaseVerdict, plan_release, release  # noqa: PLC0415
+    from idemq.stores import open_store  # noqa: PLC0415
+
+    store = open_store(args.store)
+    try:
+        plan = plan_release(store, args.id, args.consumer)
+        if plan.verdict is ReleaseVerdict.NOT_FOUND:
+            err_console.print(f"no record of message id {args.id!r}")
+            return EXIT_NOT_FOUND
+        if plan.verdict is ReleaseVerdict.AMBIGUOUS:
+            names = ", ".join(r.consumer for r in plan.records)
+            err_console.print(
+                f"several consumers hold {args.id!r} in progress ({names}): "
+                "name one with --consumer"
+            )
+            return EXIT_USAGE
+        if plan.verdict is ReleaseVerdict.PROCESSED:
+            err_console.print(
+                f"refusing: {args.id!r} is PROCESSED; deleting it would let it run twice"
+            )
+            return EXIT_REFUSED
+        if not args.json:
+            console.print(_record_table(record_dict(plan.record)))
+        if plan.lease_live:
+            err_console.print(
+                "[yellow]warning:[/yellow] the lease has not expired: its worker "
+                "may still be running, and another may now run it concurrently"
+            )
+        if not args.yes:
+            if not sys.stdin.isatty():
+                err_console.print("not a terminal: pass --yes to release without asking")
+                return EXIT_ABORTED
+            if not Confirm.ask(f"release {args.id!r} ({plan.record.consumer})?", console=console):
+                return EXIT_ABORTED
+        released = release(store, plan.record)
+    finally:
+        store.close()
+    if args.json:
+        _print_json({"message_id": args.id, "consumer": plan.record.consumer, "released": released})
+    elif released:
+        console.print(f"released {args.id!r} ({plan.record.consumer}): it can be retried now")
+    else:
+        err_console.print(f"{args.id!r} was completed or released meanwhile: nothing done")
+    return EXIT_OK if released else EXIT_REFUSED
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
@@ -217,6 +290,19 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------------------
+
+
+def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """``stats`` and ``release``: what on-call engineers run (see README "Operations")."""
+    stats = add("stats", cmd_stats, "records by status, oldest, stuck leases, size of a store")
+    stats.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    stats.add_argument("--json", action="store_true")
+    release = add("release", cmd_release, "free a stuck lease so the message can be retried")
+    release.add_argument("id")
+    release.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    release.add_argument("--consumer", help="whose record (needed if several hold the id)")
+    release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    release.add_argument("--json", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
     inspect.add_argument("--consumer", help="only this consumer's record")
     inspect.add_argument("--json", action="store_true")
+
+    _add_operator_commands(add)
 
     purge = add("purge", cmd_purge, "delete processed records older than a duration")
     purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d, 12h")

@@ -40,6 +40,14 @@ from idemq.core import (
 )
 from idemq.errors import ConfigurationError, InvalidMessageIdError, StoreConflictError
 from idemq.message import Message
+from idemq.observe import (
+    Observer,
+    Probe,
+    awatch_handler,
+    claim_status,
+    report_batch,
+    watch_handler,
+)
 from idemq.stores.base import (
     AsyncStore,
     AsyncTransactionalStore,
@@ -105,11 +113,14 @@ class Idempotency:
         mode: str | None = None,
         lease_s: float = 30.0,
         clock: Clock | None = None,
+        observer: Observer | None = None,
     ) -> None:
         transactional = isinstance(store, TransactionalStore)
         mode = _mode_for(store, mode, transactional)
         self.policy = Policy.build(consumer=consumer, mode=mode, lease_s=lease_s, clock=clock)
         self.store = store
+        # Metrics/tracing/logging hooks (idemq.observe); None costs one check per message.
+        self.observer = observer
 
     @property
     def consumer(self) -> str:
@@ -134,14 +145,37 @@ class Idempotency:
         joins its open transaction (in a savepoint) and you commit it. Handler exceptions roll back
         (or release the lease) and are re-raised, so the message can be retried.
         """
+        observer = self.observer
+        if observer is None:
+            return self._process(message_id, handler, business_id, payload, connection)
+        probe = observer.begin(self.policy.consumer, str(message_id))
+        try:
+            outcome = self._process(
+                message_id, watch_handler(probe, handler), business_id, payload, connection, probe
+            )
+        except BaseException as exc:
+            probe.finished(None, exc)
+            raise
+        probe.finished(outcome, None)
+        return outcome
+
+    def _process(  # noqa: PLR0917 - private, called from process() only
+        self,
+        message_id: str,
+        handler: Callable[[Any], T],
+        business_id: str | None,
+        payload: object,
+        connection: Any,
+        probe: Probe | None = None,
+    ) -> Outcome[T]:
         request = self.policy.request(message_id, business_id, payload)
         if self.policy.mode is Mode.LEASE:
-            return self._process_lease(request, handler)
+            return self._process_lease(request, handler, probe)
         if connection is not None:
-            return self._process_in(request, handler, connection)
+            return self._process_in(request, handler, connection, probe)
         for attempt in range(1, CLAIM_ATTEMPTS + 1):
             try:
-                return self._process_in(request, handler, None)
+                return self._process_in(request, handler, None, probe)
             except StoreConflictError:
                 # Deadlock while claiming (MariaDB: two twins waiting on a rolled-back insert).
                 # The transaction rolled back before the handler ran, so a retry is clean.
@@ -150,11 +184,18 @@ class Idempotency:
         raise AssertionError("unreachable")
 
     def _process_in(
-        self, request: ClaimRequest, handler: Callable[[Any], T], connection: Any
+        self,
+        request: ClaimRequest,
+        handler: Callable[[Any], T],
+        connection: Any,
+        probe: Probe | None,
     ) -> Outcome[T]:
         store = cast(TransactionalStore, self.store)
         with store.transaction(connection) as tx:
-            outcome = judge(request, store.claim_in(tx, request))
+            claim = store.claim_in(tx, request)
+            if probe is not None:
+                probe.claimed(claim_status(claim))
+            outcome = judge(request, claim)
             if outcome is not None:
                 return outcome
             result = handler(tx)
@@ -163,9 +204,14 @@ class Idempotency:
                 store.save_result_in(tx, request.key, encoded)
         return processed(request, result)
 
-    def _process_lease(self, request: ClaimRequest, handler: Callable[[Any], T]) -> Outcome[T]:
+    def _process_lease(
+        self, request: ClaimRequest, handler: Callable[[Any], T], probe: Probe | None
+    ) -> Outcome[T]:
         store = self.store
-        outcome = judge(request, store.claim(request))
+        claim = store.claim(request)
+        if probe is not None:
+            probe.claimed(claim_status(claim))
+        outcome = judge(request, claim)
         if outcome is not None:
             return outcome
         try:
@@ -197,6 +243,14 @@ class Idempotency:
         transaction, each in its own savepoint: a message whose handler raises gets a FAILED
         outcome (its claim is undone, so it can be retried) and does not roll back the others.
         """
+        outcomes = self._process_batch(messages, handler, connection)
+        if self.observer is not None:
+            report_batch(self.observer, self.policy.consumer, outcomes)
+        return outcomes
+
+    def _process_batch(
+        self, messages: Sequence[Message], handler: Callable[[Message, Any], Any], connection: Any
+    ) -> list[Outcome[Any]]:
         plan = plan_batch(self.policy, messages)
         by_request = [messages[i] for i in plan.first_index]
         if self.policy.mode is Mode.LEASE:
@@ -306,11 +360,13 @@ class AsyncIdempotency:
         mode: str | None = None,
         lease_s: float = 30.0,
         clock: Clock | None = None,
+        observer: Observer | None = None,
     ) -> None:
         transactional = isinstance(store, AsyncTransactionalStore)
         mode = _mode_for(store, mode, transactional)
         self.policy = Policy.build(consumer=consumer, mode=mode, lease_s=lease_s, clock=clock)
         self.store = store
+        self.observer = observer
 
     @property
     def consumer(self) -> str:
@@ -330,25 +386,56 @@ class AsyncIdempotency:
         connection: Any = None,
     ) -> Outcome[T]:
         """See :meth:`Idempotency.process`."""
+        observer = self.observer
+        if observer is None:
+            return await self._process(message_id, handler, business_id, payload, connection)
+        probe = observer.begin(self.policy.consumer, str(message_id))
+        try:
+            watched: Callable[[Any], Awaitable[T]] = awatch_handler(probe, handler)
+            outcome: Outcome[T] = await self._process(
+                message_id, watched, business_id, payload, connection, probe
+            )
+        except BaseException as exc:
+            probe.finished(None, exc)
+            raise
+        probe.finished(outcome, None)
+        return outcome
+
+    async def _process(  # noqa: PLR0917 - private, called from process() only
+        self,
+        message_id: str,
+        handler: Callable[[Any], Awaitable[T] | T],
+        business_id: str | None,
+        payload: object,
+        connection: Any,
+        probe: Probe | None = None,
+    ) -> Outcome[T]:
         request = self.policy.request(message_id, business_id, payload)
         if self.policy.mode is Mode.LEASE:
-            return await self._process_lease(request, handler)
+            return await self._process_lease(request, handler, probe)
         if connection is not None:
-            return await self._process_in(request, handler, connection)
+            return await self._process_in(request, handler, connection, probe)
         for attempt in range(1, CLAIM_ATTEMPTS + 1):
             try:
-                return await self._process_in(request, handler, None)
+                return await self._process_in(request, handler, None, probe)
             except StoreConflictError:
                 if attempt == CLAIM_ATTEMPTS:
                     raise
         raise AssertionError("unreachable")
 
     async def _process_in(
-        self, request: ClaimRequest, handler: Callable[[Any], Awaitable[T] | T], connection: Any
+        self,
+        request: ClaimRequest,
+        handler: Callable[[Any], Awaitable[T] | T],
+        connection: Any,
+        probe: Probe | None,
     ) -> Outcome[T]:
         store = cast(AsyncTransactionalStore, self.store)
         async with store.transaction(connection) as tx:
-            outcome = judge(request, await store.claim_in(tx, request))
+            claim = await store.claim_in(tx, request)
+            if probe is not None:
+                probe.claimed(claim_status(claim))
+            outcome = judge(request, claim)
             if outcome is not None:
                 return outcome
             result = await _maybe_await(handler(tx))
@@ -358,10 +445,16 @@ class AsyncIdempotency:
         return processed(request, result)
 
     async def _process_lease(
-        self, request: ClaimRequest, handler: Callable[[Any], Awaitable[T] | T]
+        self,
+        request: ClaimRequest,
+        handler: Callable[[Any], Awaitable[T] | T],
+        probe: Probe | None,
     ) -> Outcome[T]:
         store = self.store
-        outcome = judge(request, await store.claim(request))
+        claim = await store.claim(request)
+        if probe is not None:
+            probe.claimed(claim_status(claim))
+        outcome = judge(request, claim)
         if outcome is not None:
             return outcome
         try:
@@ -387,6 +480,14 @@ class AsyncIdempotency:
         connection: Any = None,
     ) -> list[Outcome[Any]]:
         """See :meth:`Idempotency.process_batch`."""
+        outcomes = await self._process_batch(messages, handler, connection)
+        if self.observer is not None:
+            report_batch(self.observer, self.policy.consumer, outcomes)
+        return outcomes
+
+    async def _process_batch(
+        self, messages: Sequence[Message], handler: Callable[[Message, Any], Any], connection: Any
+    ) -> list[Outcome[Any]]:
         plan = plan_batch(self.policy, messages)
         by_request = [messages[i] for i in plan.first_index]
         outcomes: list[Outcome[Any]] = []
