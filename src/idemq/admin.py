@@ -14,13 +14,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idemq.core import system_clock_ms
+from idemq.errors import ConfigurationError
 from idemq.observe import store_label
+from idemq.stores import is_redis_url, open_store
 from idemq.stores.base import DEFAULT_CONSUMER, Record, RecordStatus, StoreStats
 
 __all__ = [
     "ReleasePlan",
     "ReleaseVerdict",
     "find_records",
+    "open_store_for",
     "plan_release",
     "record_dict",
     "release",
@@ -28,6 +31,17 @@ __all__ = [
 ]
 
 STUCK_SHOWN = 10  # stuck records listed by `idemq stats` (the count covers all of them)
+
+
+def open_store_for(url: str, *, table: str | None = None, prefix: str | None = None) -> Any:
+    """The store at ``url``, on a non-default SQL ``table`` or Redis key ``prefix`` if given."""
+    if is_redis_url(url):
+        if table is not None:
+            raise ConfigurationError("--table is for SQL stores; a Redis store takes --prefix")
+        return open_store(url) if prefix is None else open_store(url, prefix=prefix)
+    if prefix is not None:
+        raise ConfigurationError("--prefix is for Redis stores; an SQL store takes --table")
+    return open_store(url) if table is None else open_store(url, table=table)
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -20,6 +20,7 @@ from rich.logging import RichHandler
 from rich.prompt import Confirm
 from rich.table import Table
 
+from idemq import admin
 from idemq.admin import record_dict
 from idemq.errors import ConfigurationError, IdemqError, InvalidInputError, StoreError
 
@@ -157,12 +158,9 @@ def cmd_id_parse(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from idemq.admin import find_records  # noqa: PLC0415
-    from idemq.stores import open_store  # noqa: PLC0415
-
-    store = open_store(args.store)
+    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
     try:
-        records = find_records(store, args.id, args.consumer)
+        records = admin.find_records(store, args.id, args.consumer)
     finally:
         store.close()
     if args.json:
@@ -176,12 +174,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from idemq.admin import stats_report  # noqa: PLC0415
-    from idemq.stores import open_store  # noqa: PLC0415
-
-    store = open_store(args.store)
+    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
     try:
-        report = stats_report(store)
+        report = admin.stats_report(store)
     finally:
         store.close()
     if args.json:
@@ -213,23 +208,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from idemq.admin import ReleaseVerdict, plan_release, release  # noqa: PLC0415
-    from idemq.stores import open_store  # noqa: PLC0415
-
-    store = open_store(args.store)
+    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
     try:
-        plan = plan_release(store, args.id, args.consumer)
-        if plan.verdict is ReleaseVerdict.NOT_FOUND:
+        plan = admin.plan_release(store, args.id, args.consumer)
+        if plan.verdict is admin.ReleaseVerdict.NOT_FOUND:
             err_console.print(f"no record of message id {args.id!r}")
             return EXIT_NOT_FOUND
-        if plan.verdict is ReleaseVerdict.AMBIGUOUS:
+        if plan.verdict is admin.ReleaseVerdict.AMBIGUOUS:
             names = ", ".join(r.consumer for r in plan.records)
             err_console.print(
                 f"several consumers hold {args.id!r} in progress ({names}): "
                 "name one with --consumer"
             )
             return EXIT_USAGE
-        if plan.verdict is ReleaseVerdict.PROCESSED:
+        if plan.verdict is admin.ReleaseVerdict.PROCESSED:
             err_console.print(
                 f"refusing: {args.id!r} is PROCESSED; deleting it would let it run twice"
             )
@@ -247,7 +239,7 @@ def cmd_release(args: argparse.Namespace) -> int:
                 return EXIT_ABORTED
             if not Confirm.ask(f"release {args.id!r} ({plan.record.consumer})?", console=console):
                 return EXIT_ABORTED
-        released = release(store, plan.record)
+        released = admin.release(store, plan.record)
     finally:
         store.close()
     if args.json:
@@ -292,17 +284,24 @@ def cmd_schema(args: argparse.Namespace) -> int:
 # -- parser --------------------------------------------------------------------------------
 
 
+def _add_store_naming(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--table", help="SQL store: dedup table (default message_idempotent)")
+    command.add_argument("--prefix", help="Redis store: key prefix (default idemq)")
+
+
 def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     """``stats`` and ``release``: what on-call engineers run (see README "Operations")."""
     stats = add("stats", cmd_stats, "records by status, oldest, stuck leases, size of a store")
     stats.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
     stats.add_argument("--json", action="store_true")
+    _add_store_naming(stats)
     release = add("release", cmd_release, "free a stuck lease so the message can be retried")
     release.add_argument("id")
     release.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
     release.add_argument("--consumer", help="whose record (needed if several hold the id)")
     release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     release.add_argument("--json", action="store_true")
+    _add_store_naming(release)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
     inspect.add_argument("--consumer", help="only this consumer's record")
     inspect.add_argument("--json", action="store_true")
+    _add_store_naming(inspect)
 
     _add_operator_commands(add)
 

@@ -79,9 +79,7 @@ def test_stats_size_is_reported_where_the_backend_can_tell(store: Any, clock: Fa
         assert stats.size_bytes > 0
 
 
-def test_force_release_deletes_a_stuck_claim_whoever_owns_it(
-    store: Any, clock: FakeClock
-) -> None:
+def test_force_release_deletes_a_stuck_claim_whoever_owns_it(store: Any, clock: FakeClock) -> None:
     _claim(store, "M", clock)
     assert store.force_release("M", "ops") is True
     assert store.get("M", "ops") is None
@@ -133,9 +131,7 @@ async def test_async_twins_answer_the_same(kind: str, tmp_path: Path, clock: Fak
     try:
         request = ClaimRequest(Key("ops", "A"), None, None, "o1", clock(), LEASE_MS)
         assert (await store.claim(request)).acquired
-        guard = idemq.AsyncIdempotency(
-            store, consumer="ops", mode="lease", lease_s=30, clock=clock
-        )
+        guard = idemq.AsyncIdempotency(store, consumer="ops", mode="lease", lease_s=30, clock=clock)
         await guard.process("B", lambda _tx: 1)
         clock.advance(LEASE_MS)
         stats = await store.stats(now_ms=clock())
