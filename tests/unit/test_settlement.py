@@ -107,9 +107,12 @@ def test_classify(exc: Exception, verdict: Verdict) -> None:
     assert classify(exc) is verdict
 
 
-def test_decode_takes_broker_id_first_then_header() -> None:
+def test_decode_takes_the_explicit_header_first_then_the_broker_id() -> None:
     msg, err = decode(b"{}", {"idemq-message-id": "H1"}, broker_message_id="B1")
     assert err is None
+    assert msg is not None
+    assert msg.id == "H1", "a producer's explicit id beats a broker id that may be random"
+    msg, err = decode(b"{}", {}, broker_message_id="B1")
     assert msg is not None
     assert msg.id == "B1"
     msg, err = decode(

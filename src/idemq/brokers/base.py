@@ -151,10 +151,12 @@ def decode(
 ) -> tuple[Message | None, str | None]:
     """Build the :class:`~idemq.Message` of a raw delivery, or say why it cannot be built.
 
-    The id is the broker's message id, else the ``idemq-message-id`` header. Only a *missing* id
-    is refused here; the guard validates the rest (length, characters) in one place.
+    The id is the ``idemq-message-id`` header when the producer set one, else the broker's message
+    id. The explicit header wins because some clients stamp a *random* broker id on every publish
+    (aiormq does), which would make each producer retry look like a new message. Only a
+    *missing* id is refused here; the guard validates the rest (length, characters) in one place.
     """
-    message_id = broker_message_id or headers.get(MESSAGE_ID_HEADER)
+    message_id = headers.get(MESSAGE_ID_HEADER) or broker_message_id
     if not message_id:
         return None, f"no message id (neither a broker message id nor {MESSAGE_ID_HEADER})"
     message = Message(
