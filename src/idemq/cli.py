@@ -135,6 +135,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         prefetch=args.prefetch,
         max_attempts=args.max_attempts,
+        metrics_port=args.metrics_port,
     )
     err_console.print(f"idemq worker stopped: {stats}")
     return EXIT_OK
@@ -342,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=5,
         help="handler failures before dead-lettering (default 5)",
+    )
+    worker.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (extra: metrics)"
     )
 
     ids = add("id", lambda _: EXIT_USAGE, "message ids: PREFIX_yyyyMMddHHmmssSSS_NODE_SEQ")

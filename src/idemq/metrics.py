@@ -213,7 +213,9 @@ class StoreCollector(Collector):
             yield size
 
 
-def serve_metrics(port: int, *, registry: CollectorRegistry | None = None, addr: str = "") -> Any:
+def serve_metrics(
+    port: int, *, registry: CollectorRegistry | None = None, addr: str = "0.0.0.0"
+) -> Any:
     """Serve ``/metrics`` on ``port`` from a daemon thread; returns the HTTP server (call
     ``shutdown()`` on it to stop)."""
     reg = registry if registry is not None else prometheus_client.REGISTRY

@@ -52,6 +52,7 @@ __all__ = [
     "report_batch",
     "store_label",
     "watch_handler",
+    "worker_observer",
 ]
 
 T = TypeVar("T")
@@ -343,3 +344,29 @@ class LoggingObserver(Observer):
                 "idemq_consumer": consumer,
             },
         )
+
+
+def worker_observer(store: object, metrics_port: int | None = None) -> tuple[Observer, Any]:
+    """What ``idemq worker`` watches its guard with: structured logs, plus Prometheus metrics
+    (guard counters and store gauges, on a registry of its own) served on ``metrics_port``.
+
+    Returns the observer and a zero-argument callable that stops the metrics server.
+    """
+    logs = LoggingObserver()
+    if metrics_port is None:
+        return logs, lambda: None
+    # Imported on use: prometheus-client is the optional extra "metrics".
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from idemq.metrics import PrometheusObserver, StoreCollector, serve_metrics  # noqa: PLC0415
+
+    registry = CollectorRegistry()
+    label = store_label(store)
+    registry.register(StoreCollector(store, store_label=label))
+    server = serve_metrics(metrics_port, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return CompositeObserver(logs, PrometheusObserver(registry, store_label=label)), stop

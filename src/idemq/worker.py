@@ -40,6 +40,7 @@ from idemq.brokers.base import (
 )
 from idemq.errors import BrokerError, ConfigurationError
 from idemq.message import Message
+from idemq.observe import Observer, worker_observer
 
 __all__ = ["Guard", "Handler", "Worker", "WorkerStats", "load_handler", "open_guard", "run_worker"]
 
@@ -137,6 +138,7 @@ class Worker:
         prefetch: int | None = None,
         policy: RetryPolicy | None = None,
         description: str = "",
+        observer: Observer | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
@@ -148,6 +150,7 @@ class Worker:
         self.prefetch = prefetch if prefetch is not None else concurrency
         self.policy = policy or RetryPolicy()
         self.description = description or f"queue={queue}"
+        self.observer = observer  # told about dead letters (the guard reports the rest)
         self.stats = WorkerStats()
         self.stopping = threading.Event()
         self._stats_lock = threading.Lock()
@@ -181,6 +184,10 @@ class Worker:
         settlement = decide(verdict, delivery.delivery_attempt, self.policy, detail)
         if isinstance(settlement, DeadLetter):
             log.warning("dead-lettering %s: %s", delivery.describe(), settlement.reason)
+            if self.observer is not None:
+                message_id = delivery.message.id if delivery.message is not None else "?"
+                consumer = getattr(self.guard, "consumer", self.queue)
+                self.observer.dead_lettered(consumer, message_id, settlement.reason)
         try:
             delivery.settle(settlement)
         except BrokerError:
@@ -271,18 +278,23 @@ def run_worker(
     max_attempts: int = 5,
     install_signal_handlers: bool = True,
     on_start: Callable[[Worker], None] | None = None,
+    metrics_port: int | None = None,
 ) -> WorkerStats:
     """What ``idemq worker MODULE:HANDLER --broker URL --queue NAME --store URL`` runs.
 
     ``consumer`` scopes the dedup keys (default: the queue name). Returns when SIGTERM/SIGINT
     arrives (or ``worker.stop()`` is called from ``on_start``'s thread), after in-flight messages
-    are settled.
+    are settled. ``metrics_port``: serve Prometheus metrics there (``idemq.metrics``); outcomes
+    are logged on ``idemq.guard`` with structured fields either way.
     """
     fn = load_handler(handler) if isinstance(handler, str) else handler
     guard = open_guard(store_url, consumer or queue)
+    stop_metrics: Callable[[], None] = lambda: None  # noqa: E731
     try:
+        guard.observer, stop_metrics = worker_observer(guard.store, metrics_port)
         broker = open_broker(broker_url)
     except BaseException:
+        stop_metrics()
         guard.store.close()
         raise
     worker = Worker(
@@ -293,6 +305,7 @@ def run_worker(
         concurrency=concurrency,
         prefetch=prefetch,
         policy=RetryPolicy(max_attempts=max_attempts),
+        observer=guard.observer,
         description=(
             f"broker={mask_url(broker_url)} queue={queue} store={mask_url(store_url)}"
             f" concurrency={concurrency}"
@@ -305,6 +318,7 @@ def run_worker(
             return _run_with_signals(worker)
         return worker.run()
     finally:
+        stop_metrics()
         guard.store.close()
 
 

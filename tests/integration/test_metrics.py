@@ -226,3 +226,90 @@ def test_no_password_from_the_store_url_in_logs_errors_metrics_or_cli(
         assert "s3cret" not in text
     assert '"secret-result": 1' in cli_output[0]
     assert "***" in repr(store)
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            outcome = sample.labels.get("outcome") or sample.labels.get("status") or ""
+            samples[f"{sample.name}:{outcome}"] = sample.value
+    return samples
+
+
+def test_worker_serves_metrics_on_metrics_port(tmp_path: Path) -> None:
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from idemq.brokers.embedded import EmbeddedBroker  # noqa: PLC0415
+    from idemq.worker import Worker, run_worker  # noqa: PLC0415
+
+    queue_path = tmp_path / "queue.db"
+    producer = EmbeddedBroker(queue_path)
+    for i in range(N_PROCESSED):
+        producer.publish("q", b"{}", message_id=f"M{i}")
+    for i in range(M_DUPLICATES):  # a producer retry: the same message again
+        producer.publish("q", b"{}", message_id=f"M{i}")
+    producer.publish("q", b"{}", message_id="BAD")
+    producer.close()
+
+    def handle(msg: idemq.Message, _tx: Any) -> None:
+        if msg.id == "BAD":
+            raise ValueError("poison")
+
+    port = _free_port()
+    started: list[Worker] = []
+    thread = threading.Thread(
+        target=run_worker,
+        args=(handle,),
+        kwargs={
+            "broker_url": f"embedded://{queue_path}",
+            "queue": "q",
+            "store_url": f"sqlite:///{tmp_path / 'dedup.db'}",
+            "max_attempts": 1,
+            "install_signal_handlers": False,
+            "on_start": started.append,
+            "metrics_port": port,
+        },
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        samples: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            try:
+                samples = _scrape(port)
+            except OSError:
+                samples = {}
+            if (
+                samples.get("idemq_dead_lettered_total:") == 1
+                and samples.get("idemq_messages_total:processed") == N_PROCESSED
+                and samples.get("idemq_messages_total:duplicate") == M_DUPLICATES
+            ):
+                break
+            time.sleep(0.1)
+    finally:
+        if started:
+            started[0].stop()
+        thread.join(30)
+    assert samples.get("idemq_messages_total:processed") == N_PROCESSED, samples
+    assert samples["idemq_messages_total:duplicate"] == M_DUPLICATES
+    assert samples["idemq_messages_total:error"] == 1
+    assert samples["idemq_dead_lettered_total:"] == 1
+    assert samples["idemq_records:processed"] == N_PROCESSED
+    assert samples["idemq_store_up:"] == 1
+    assert not thread.is_alive()
+    with pytest.raises(OSError):  # the metrics server stopped with the worker
+        _scrape(port)
