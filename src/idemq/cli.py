@@ -123,6 +123,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from idemq.chaos import ChaosConfig, run_chaos, write_report  # noqa: PLC0415
+    from idemq.chaos.console import render_result, run_with_progress  # noqa: PLC0415
+
+    config = ChaosConfig(
+        broker_url=args.broker,
+        store_url=args.store,
+        messages=args.messages,
+        workers=args.workers,
+        kill_every_s=args.kill_every,
+        slow_rate=args.slow_rate,
+        partition_rate=args.partition_rate,
+        guard=not args.no_guard,
+        directory=Path(args.dir) if args.dir else None,
+        ledger_url=args.ledger,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        keep=args.keep,
+    )
+    if args.json:
+        result = run_chaos(config)
+    else:
+        result = run_with_progress(config, console)
+        render_result(result, console)
+    if args.report:
+        path = write_report(result, args.report)
+        if not args.json:
+            console.print(f"report: {path}")
+    if args.json:
+        print(json.dumps(result.to_json(), default=str))  # one line, the last one
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from idemq.worker import run_worker  # noqa: PLC0415
 
@@ -136,6 +169,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         prefetch=args.prefetch,
         max_attempts=args.max_attempts,
         metrics_port=args.metrics_port,
+        batch_size=args.batch_size,
+        batch_wait_ms=args.batch_wait_ms,
     )
     err_console.print(f"idemq worker stopped: {stats}")
     return EXIT_OK
@@ -305,7 +340,53 @@ def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     _add_store_naming(release)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_batch_flags(worker: argparse.ArgumentParser) -> None:
+    worker.add_argument(
+        "--batch-size",
+        type=int,
+        help="guard up to N deliveries per transaction; each is settled after its batch commits",
+    )
+    worker.add_argument(
+        "--batch-wait-ms",
+        type=int,
+        default=50,
+        help="how long a partial batch waits for more deliveries (default 50)",
+    )
+
+
+def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
+    chaos.add_argument(
+        "--broker", required=True, help="amqp://, kafka://, nats://, redis://, embedded://"
+    )
+    chaos.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    chaos.add_argument("--messages", type=int, default=500, help="distinct messages (default 500)")
+    chaos.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    chaos.add_argument(
+        "--kill-every", type=float, default=2.0, help="SIGKILL a worker every S seconds (0: never)"
+    )
+    chaos.add_argument(
+        "--slow-rate",
+        type=float,
+        default=0.02,
+        help="share of handlers outlasting the broker timeout",
+    )
+    chaos.add_argument(
+        "--partition-rate",
+        type=float,
+        default=0.01,
+        help="share of publishes whose confirm is lost",
+    )
+    chaos.add_argument("--no-guard", action="store_true", help="same scenario without idemq")
+    chaos.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    chaos.add_argument("--report", help="write a self-contained HTML report here")
+    chaos.add_argument("--ledger", help="order tables' database for a redis:// store")
+    chaos.add_argument("--dir", help="where event files go (default: a temp dir)")
+    chaos.add_argument("--timeout", type=float, default=300.0, help="stop after S seconds")
+    chaos.add_argument("--seed", type=int, default=7)
+    chaos.add_argument("--keep", action="store_true", help="keep tables, keys and queue")
+
+
+def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list of commands)
     parser = argparse.ArgumentParser(
         prog="idemq", description="Exactly-once effects for at-least-once message consumers."
     )
@@ -325,6 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-guard", action="store_true", help="run without idemq, to compare")
     demo.add_argument("--dir", help="where the queue and ledger files go (default: a temp dir)")
     demo.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+
+    _chaos_arguments(
+        add("chaos", cmd_chaos, "inject the three causes of duplicates; check the ledger")
+    )
 
     worker = add("worker", cmd_worker, "run MODULE:HANDLER behind the guard on a broker")
     worker.add_argument("handler", metavar="MODULE:HANDLER")
@@ -347,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (extra: metrics)"
     )
+    _add_batch_flags(worker)
 
     ids = add("id", lambda _: EXIT_USAGE, "message ids: PREFIX_yyyyMMddHHmmssSSS_NODE_SEQ")
     id_sub = ids.add_subparsers(dest="id_command", required=True, metavar="new|parse")

@@ -1,0 +1,71 @@
+"""The outcome of a chaos run: counts, causes, verdict, and the JSON of ``idemq chaos --json``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["ChaosResult", "Progress"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot while the run goes (what the progress bar shows)."""
+
+    produced: int
+    target: int
+    applied: int
+    delivered: int
+    crashes: int
+    elapsed_s: float
+
+
+@dataclass
+class ChaosResult:
+    """Everything ``idemq chaos`` reports; ``ok`` is the invariant verdict.
+
+    ``produced`` counts distinct messages, ``delivered`` every delivery (duplicates included),
+    ``applied`` distinct messages with their effect in the ledger, ``lost`` = produced - applied,
+    ``double_applied`` messages whose effect landed more than once, ``crashes`` workers killed.
+    """
+
+    broker: str
+    store: str
+    guard: bool
+    messages: int
+    workers: int
+    produced: int = 0
+    delivered: int = 0
+    duplicates_delivered: int = 0
+    duplicates_suppressed: int = 0
+    retries: int = 0
+    applied: int = 0
+    lost: int = 0
+    double_applied: int = 0
+    extra_effects: int = 0  # ledger rows beyond one per message
+    debited_cents: int = 0  # what the ledger took from the accounts
+    owed_cents: int = 0  # what the produced orders cost: equal when nothing is double-applied
+    crashes: int = 0
+    causes: dict[str, int] = field(default_factory=dict)
+    injected: dict[str, int] = field(default_factory=dict)
+    verdicts: dict[str, int] = field(default_factory=dict)
+    invariant_violations: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    throughput_per_s: float = 0.0
+    timed_out: bool = False
+    notes: list[str] = field(default_factory=list)
+    timeline: list[dict[str, int]] = field(default_factory=list)
+    bucket_s: float = 1.0
+
+    @property
+    def ok(self) -> bool:
+        """The invariant: no message lost, none applied twice."""
+        return self.lost == 0 and self.double_applied == 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object (shared/DESIGN.md), the timeline left out."""
+        data = asdict(self)
+        data.pop("timeline")
+        data.pop("bucket_s")
+        data["ok"] = self.ok
+        return data

@@ -1,0 +1,340 @@
+"""``idemq chaos``: the order service under the three causes of duplicates, then the verdict.
+
+Timeline of one run::
+
+    seed N orders ─► producer thread ──(FaultProxy: half-partitions → confirm timeouts → retries)──►
+    broker ──► W worker processes (slow handlers; SIGKILLs, some between commit and ack) ─► ledger
+    supervisor: restarts the dead, kills one every kill_every_s, until every order is applied;
+    drain: no kills, wait until no delivery for a quiet period; stop; read the ledger.
+
+The verdict comes from the business ledger, not from what the workers said: ``applied`` counts
+distinct message ids with a debit, ``double_applied`` those with more than one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from idemq.brokers.base import mask_url
+from idemq.chaos.events import CAUSES, Tally
+from idemq.chaos.faults import ProducerBroker, capabilities, open_producer, redelivery_s, worker_url
+from idemq.chaos.invariants import check_invariants
+from idemq.chaos.orders import OrderTables, create_schema, drop_schema, make_engine, seed
+from idemq.chaos.proxy import FaultProxy
+from idemq.chaos.result import ChaosResult, Progress
+from idemq.chaos.supervisor import Supervisor
+from idemq.chaos.worker import WorkerSpec
+from idemq.errors import BrokerUnavailableError
+from idemq.publish import Publisher
+
+__all__ = ["ChaosConfig", "run_chaos"]
+
+OPENING_BALANCE = 10**12  # no order ever fails for lack of funds: only duplicates may change it
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """One chaos run. Rates are per message (partition) or per first delivery (slow)."""
+
+    broker_url: str
+    store_url: str
+    messages: int = 500
+    workers: int = 3
+    kill_every_s: float = 2.0  # 0 = no kills
+    slow_rate: float = 0.02
+    partition_rate: float = 0.01
+    guard: bool = True
+    directory: Path | None = None  # event files (default: a temporary directory)
+    ledger_url: str | None = None  # order tables for a Redis store (default: SQLite in directory)
+    timeout_s: float = 300.0  # the run stops by itself after this, whatever happened
+    confirm_timeout_s: float = 0.5
+    lease_s: float = 5.0
+    seed: int = 7
+    keep: bool = False  # keep tables, keys and queue afterwards (for inspection)
+
+
+def run_chaos(
+    config: ChaosConfig, on_progress: Callable[[Progress], None] | None = None
+) -> ChaosResult:
+    """Run the scenario and return the counts and verdict (see module doc)."""
+    return _Run(config, on_progress or (lambda _: None)).run()
+
+
+class _Run:
+    def __init__(self, config: ChaosConfig, on_progress: Callable[[Progress], None]) -> None:
+        self.config = config
+        self.on_progress = on_progress
+        self.rng = random.Random(config.seed)
+        run_id = uuid.uuid4().hex[:8]
+        self.prefix = f"chaos_{run_id}_"
+        self.queue = f"chaos_{run_id}"
+        self.directory = config.directory or Path(tempfile.mkdtemp(prefix="idemq-chaos-"))
+        self.events_dir = self.directory / f"events-{run_id}"
+        self.events_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_store = config.store_url.startswith(("redis://", "rediss://"))
+        self.ledger_url = (
+            (config.ledger_url or f"sqlite:///{self.directory / f'ledger-{run_id}.db'}")
+            if self.redis_store
+            else config.store_url
+        )
+        self.caps = capabilities(config.broker_url)
+        self.tables = OrderTables.build(self.prefix)
+        self.result = ChaosResult(
+            broker=mask_url(config.broker_url),
+            store=mask_url(config.store_url),
+            guard=config.guard,
+            messages=config.messages,
+            workers=config.workers,
+        )
+        self.produced = 0
+        self.partitions = 0
+        self.publish_attempts = 0
+        self.produced_orders: list[str] = []
+        self.stop_producing = threading.Event()
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def run(self) -> ChaosResult:
+        # The producer's "unconfirmed, retrying" warnings are the point of cause 1, not news.
+        publish_log = logging.getLogger("idemq.publish")
+        level = publish_log.level
+        publish_log.setLevel(logging.ERROR)
+        try:
+            return self._run()
+        finally:
+            publish_log.setLevel(level)
+
+    def _run(self) -> ChaosResult:
+        self._notes()
+        engine = make_engine(self.ledger_url)
+        try:
+            self._prepare(engine)
+            producer, proxy = open_producer(
+                self.config.broker_url,
+                confirm_timeout_s=self.config.confirm_timeout_s,
+                partitions=self.config.partition_rate > 0,
+            )
+            try:
+                producer.declare(self.queue)
+                self._supervise(producer, proxy)
+                self._verdict(engine)
+            finally:
+                if not self.config.keep:
+                    producer.delete_queue(self.queue)
+                producer.close()
+                if proxy is not None:
+                    proxy.close()
+        finally:
+            if not self.config.keep:
+                self._cleanup(engine)
+            engine.dispose()
+        return self.result
+
+    def _notes(self) -> None:
+        c, caps = self.config, self.caps
+        if c.partition_rate > 0 and not caps.partition:
+            self.result.notes.append(f"partition not injected: {caps.partition_note}")
+        if c.slow_rate > 0 and not caps.slow:
+            self.result.notes.append(f"slow consumers not injected: {caps.slow_note}")
+        if self.redis_store and c.guard:
+            self.result.notes.append(
+                "Redis store: lease mode; the order state machine guards the ledger effect"
+            )
+
+    def _prepare(self, engine: sa.Engine) -> None:
+        create_schema(engine, self.tables)
+        accounts = {f"acct-{n}": OPENING_BALANCE for n in range(10)}
+        orders = [
+            (f"order-{n:07d}", f"acct-{n % 10}", self.rng.randint(100, 50_000))
+            for n in range(self.config.messages)
+        ]
+        with engine.begin() as conn:
+            seed(conn, self.tables, accounts, orders)
+        if self.config.guard and not self.redis_store:
+            from idemq.stores.sql import SqlStore  # noqa: PLC0415
+
+            store = SqlStore(self.config.store_url, table=f"{self.prefix}dedup")
+            store.create_schema()
+            store.close()
+
+    def _spec(self) -> WorkerSpec:
+        c = self.config
+        return WorkerSpec(
+            broker_url=worker_url(c.broker_url),
+            queue=self.queue,
+            store_url=c.store_url,
+            ledger_url=self.ledger_url,
+            prefix=self.prefix,
+            consumer=f"{self.prefix}orders",
+            events_dir=str(self.events_dir),
+            guard=c.guard,
+            slow_rate=c.slow_rate if self.caps.slow else 0.0,
+            slow_s=1.5 * redelivery_s(worker_url(c.broker_url)),
+            slow_before_claim=self.ledger_url.startswith("sqlite"),
+            lease_s=c.lease_s,
+            seed=c.seed,
+        )
+
+    def _supervise(self, producer: ProducerBroker, proxy: FaultProxy | None) -> None:
+        c = self.config
+        tally = Tally(self.events_dir)
+        killed = 0
+
+        def on_death(pid: int, at_s: float, by_us: bool) -> None:
+            nonlocal killed
+            if by_us:
+                killed += 1
+                tally.kill(pid, at_s)
+
+        supervisor = Supervisor(
+            self._spec(), c.workers, c.kill_every_s, on_death, rng=random.Random(c.seed + 1)
+        )
+        started_s, started_wall = time.monotonic(), time.time()
+        thread = threading.Thread(target=self._produce, args=(producer, proxy), daemon=True)
+        supervisor.start()
+        thread.start()
+        reader = sa.create_engine(self.ledger_url)  # plain reads: no BEGIN IMMEDIATE needed
+        applied, last_count, quiet_since, next_read = 0, -1, time.monotonic(), 0.0
+        quiet_s = min(2 * redelivery_s(worker_url(c.broker_url)) + 1.0, 15.0)
+        try:
+            while True:
+                now = time.monotonic()
+                if now - started_s > c.timeout_s:
+                    self.result.timed_out = True
+                    self.result.notes.append(f"stopped after the {c.timeout_s:.0f}s time limit")
+                    break
+                supervisor.tick()
+                tally.poll()
+                if now >= next_read:
+                    applied = self._applied(reader)
+                    next_read = now + 0.5
+                done = not thread.is_alive() and applied >= self.produced
+                if done:
+                    supervisor.killing = False  # drain: let late duplicates arrive, no new kills
+                if len(tally.deliveries) != last_count:
+                    last_count, quiet_since = len(tally.deliveries), now
+                elif done and now - quiet_since >= quiet_s:
+                    break
+                self.on_progress(
+                    Progress(
+                        self.produced, c.messages, applied, last_count, killed, now - started_s
+                    )
+                )
+                time.sleep(0.1)
+        finally:
+            self.stop_producing.set()
+            supervisor.stop()
+            thread.join(30)
+            reader.dispose()
+        tally.poll()
+        self._count(tally, supervisor, killed, started_wall, time.monotonic() - started_s)
+
+    def _produce(self, producer: ProducerBroker, proxy: FaultProxy | None) -> None:
+        c = self.config
+        publisher = Publisher(producer, prefix="ORDER", attempts=4, retry_delay_s=0.2)
+        rng = random.Random(c.seed + 2)
+        for n in range(c.messages):
+            order_id = f"order-{n:07d}"
+            body = f'{{"event": "pay", "order_id": "{order_id}"}}'.encode()
+            message_id = publisher.ids.next_id()
+            if self.caps.partition and rng.random() < c.partition_rate:
+                self.partitions += 1
+                if proxy is not None:
+                    proxy.partition(2 * c.confirm_timeout_s)
+                else:
+                    producer.lose_next_confirm()
+            while not self.stop_producing.is_set():
+                try:
+                    publisher.publish(self.queue, body, message_id=message_id, business_id=order_id)
+                    break
+                except BrokerUnavailableError:
+                    continue  # keep the same id: the message must get through, once or more
+            else:
+                return
+            self.produced += 1
+            self.produced_orders.append(order_id)
+        self.publish_attempts = sum(producer.attempts.values())
+
+    # -- verdict -----------------------------------------------------------------------------
+
+    def _applied(self, reader: sa.Engine) -> int:
+        ledger = self.tables.ledger
+        with reader.connect() as conn:
+            count = conn.execute(sa.select(sa.func.count(sa.distinct(ledger.c.message_id))))
+            return int(count.scalar_one())
+
+    def _count(
+        self, tally: Tally, supervisor: Supervisor, killed: int, started: float, seconds: float
+    ) -> None:
+        r = self.result
+        causes = tally.attribute()
+        r.delivered = len(tally.deliveries)
+        r.causes = {cause: causes[cause] for cause in CAUSES}
+        r.duplicates_delivered = sum(r.causes.values())
+        r.retries = causes["retry"]
+        r.verdicts = dict(tally.verdicts())
+        r.duplicates_suppressed = r.verdicts.get("duplicate", 0)
+        r.crashes = killed
+        r.injected = {
+            "partitions": self.partitions,
+            "producer_retries": self.publish_attempts - self.produced,
+            "kills": supervisor.kills,
+            "kills_after_commit_before_ack": tally.self_kills,
+            "slow_handlers": sum(1 for d in tally.deliveries if d.slow),
+        }
+        r.produced = self.produced
+        r.seconds = round(seconds, 2)
+        r.bucket_s = max(1.0, round(seconds / 60))
+        r.timeline = tally.timeline(started, r.bucket_s)
+
+    def _verdict(self, engine: sa.Engine) -> None:
+        r, ledger = self.result, self.tables.ledger
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(ledger.c.message_id, sa.func.count()).group_by(ledger.c.message_id)
+            ).all()
+        effects = {str(message_id): int(n) for message_id, n in rows}
+        r.applied = len(effects)
+        r.lost = max(r.produced - r.applied, 0)
+        r.double_applied = sum(1 for n in effects.values() if n > 1)
+        r.extra_effects = sum(n - 1 for n in effects.values())
+        report = check_invariants(engine, self.tables)
+        kinds: dict[str, int] = {}
+        for violation in report.violations:
+            kinds[violation.kind] = kinds.get(violation.kind, 0) + 1
+        r.invariant_violations = kinds
+        r.debited_cents = report.debited_cents
+        with engine.connect() as conn:
+            owed = conn.execute(
+                sa.select(sa.func.coalesce(sa.func.sum(self.tables.orders.c.amount), 0)).where(
+                    self.tables.orders.c.order_id.in_(self.produced_orders)
+                )
+            ).scalar_one()
+        r.owed_cents = int(owed)
+        r.throughput_per_s = round(r.applied / r.seconds, 1) if r.seconds else 0.0
+
+    def _cleanup(self, engine: sa.Engine) -> None:
+        drop_schema(engine, self.tables)
+        if self.config.guard and not self.redis_store:
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DROP TABLE IF EXISTS {self.prefix}dedup"))
+        if self.redis_store:
+            import redis  # noqa: PLC0415
+
+            client = redis.Redis.from_url(self.config.store_url)
+            try:
+                keys = list(client.scan_iter(match=f"{self.prefix}*", count=1000))
+                if keys:
+                    client.delete(*keys)
+            finally:
+                client.close()

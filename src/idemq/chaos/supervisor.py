@@ -1,0 +1,119 @@
+"""Keeps W worker processes alive while killing one every ``kill_every_s`` (cause 3).
+
+Each kill tick picks a random live worker and either
+
+* SIGKILLs it at once — a random point: mid-handler, mid-commit, between commit and ack, idle;
+* or *arms* it (SIGUSR1): it SIGKILLs itself at its next ack, i.e. right after the business
+  commit and before the broker hears of it — the case that makes a duplicate for sure. An armed
+  worker that reaches no ack within ``arm_timeout_s`` is SIGKILLed anyway.
+
+Dead workers are restarted at once (a fork server with idemq preloaded makes that cheap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+from idemq.chaos import worker as chaos_worker
+
+__all__ = ["Supervisor"]
+
+_PRELOAD = ["idemq.chaos.worker", "sqlalchemy"]
+
+
+@dataclass
+class Supervisor:
+    """Starts, watches, kills and restarts the worker processes (call :meth:`tick` often)."""
+
+    spec: chaos_worker.WorkerSpec
+    workers: int
+    kill_every_s: float  # 0 = never
+    on_death: Callable[[int, float, bool], None]  # (pid, when, killed by us)
+    clock_s: Callable[[], float] = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+    arm_timeout_s: float = 3.0
+    killing: bool = True
+    kills: int = 0
+    armed_kills: int = 0
+    restarts: int = 0
+    _procs: dict[int, BaseProcess] = field(default_factory=dict)
+    _doomed: dict[int, float] = field(default_factory=dict)  # pid → SIGKILL deadline
+    _next_kill_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(_PRELOAD)
+
+    def start(self) -> None:
+        """Start every worker; the first kill comes ``kill_every_s`` later."""
+        for slot in range(self.workers):
+            self._spawn(slot)
+        self._next_kill_s = self.clock_s() + self.kill_every_s
+
+    def _spawn(self, slot: int) -> None:
+        proc = self._ctx.Process(target=chaos_worker.run, args=(self.spec,), daemon=True)
+        proc.start()
+        self._procs[slot] = proc
+
+    def tick(self) -> None:
+        """Restart the dead, enforce armed deadlines, and kill when a tick is due."""
+        now = self.clock_s()
+        for slot, proc in list(self._procs.items()):
+            pid = proc.pid or 0
+            if proc.is_alive():
+                deadline = self._doomed.get(pid)
+                if deadline is not None and now >= deadline:
+                    self._sigkill(pid)
+                continue
+            proc.join()
+            killed = self._doomed.pop(pid, None) is not None
+            self.on_death(pid, time.time(), killed)
+            self.restarts += 1
+            self._spawn(slot)
+        if self.killing and self.kill_every_s > 0 and now >= self._next_kill_s:
+            self._next_kill_s = now + self.kill_every_s
+            self._kill_one(now)
+
+    def _kill_one(self, now: float) -> None:
+        alive = [p.pid for p in self._procs.values() if p.is_alive() and p.pid not in self._doomed]
+        if not alive:
+            return
+        pid = self.rng.choice([p for p in alive if p is not None])
+        self.kills += 1
+        if self.rng.random() < 0.5:
+            self._doomed[pid] = now
+            self._sigkill(pid)
+        else:
+            self.armed_kills += 1
+            self._doomed[pid] = now + self.arm_timeout_s
+            self._signal(pid, signal.SIGUSR1)
+
+    def _sigkill(self, pid: int) -> None:
+        self._signal(pid, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(pid: int, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):  # died meanwhile; tick() will notice
+            os.kill(pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM everyone (in-flight deliveries settle), SIGKILL whoever outlives ``grace_s``."""
+        self.killing = False
+        for proc in self._procs.values():
+            if proc.is_alive() and proc.pid is not None:
+                self._signal(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs.values():
+            proc.join(max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs.clear()
