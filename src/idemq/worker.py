@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 import idemq
+from idemq.batching import BatchSettings, BatchWorkerLoop
 from idemq.brokers import open_broker
 from idemq.brokers.base import (
     Broker,
@@ -139,6 +140,7 @@ class Worker:
         policy: RetryPolicy | None = None,
         description: str = "",
         observer: Observer | None = None,
+        batch: BatchSettings | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
@@ -147,7 +149,10 @@ class Worker:
         self.guard = guard
         self.queue = queue
         self.concurrency = concurrency
-        self.prefetch = prefetch if prefetch is not None else concurrency
+        # Batched (idemq.batching): a full batch per thread in flight, so prefetch that many.
+        self.batch = None if batch is None else BatchWorkerLoop(self, batch)
+        in_flight = concurrency if self.batch is None else self.batch.slots
+        self.prefetch = prefetch if prefetch is not None else in_flight
         self.policy = policy or RetryPolicy()
         self.description = description or f"queue={queue}"
         self.observer = observer  # told about dead letters (the guard reports the rest)
@@ -161,6 +166,14 @@ class Worker:
 
     def run(self) -> WorkerStats:
         """Consume until :meth:`stop`; return what was done. Closes the broker on the way out."""
+        if self.batch is not None:
+            batch_slots = threading.Semaphore(self.batch.slots)
+            try:
+                self.batch.run(self._deliveries(batch_slots), batch_slots)
+            finally:
+                self.broker.close()
+            log.info("idemq worker stopped: %s", self.stats)
+            return self.stats
         slots = threading.Semaphore(self.concurrency)
         ready = False
         try:
@@ -181,6 +194,10 @@ class Worker:
     def handle(self, delivery: Delivery) -> Verdict:
         """Run one delivery through the guard and settle it as :func:`decide` says."""
         verdict, detail = self._verdict(delivery)
+        return self.settle(delivery, verdict, detail)
+
+    def settle(self, delivery: Delivery, verdict: Verdict, detail: str = "") -> Verdict:
+        """Settle ``delivery`` as :func:`decide` says for ``verdict``; count it."""
         settlement = decide(verdict, delivery.delivery_attempt, self.policy, detail)
         if isinstance(settlement, DeadLetter):
             log.warning("dead-lettering %s: %s", delivery.describe(), settlement.reason)
@@ -279,14 +296,19 @@ def run_worker(
     install_signal_handlers: bool = True,
     on_start: Callable[[Worker], None] | None = None,
     metrics_port: int | None = None,
+    batch_size: int | None = None,
+    batch_wait_ms: int = 50,
 ) -> WorkerStats:
     """What ``idemq worker MODULE:HANDLER --broker URL --queue NAME --store URL`` runs.
 
     ``consumer`` scopes the dedup keys (default: the queue name). Returns when SIGTERM/SIGINT
     arrives (or ``worker.stop()`` is called from ``on_start``'s thread), after in-flight messages
     are settled. ``metrics_port``: serve Prometheus metrics there (``idemq.metrics``); outcomes
-    are logged on ``idemq.guard`` with structured fields either way.
+    are logged on ``idemq.guard`` with structured fields either way. ``batch_size``: guard up
+    to that many deliveries per transaction (``idemq.batching``), waiting ``batch_wait_ms`` at
+    most for a batch to fill.
     """
+    batch = None if batch_size is None else BatchSettings(batch_size, batch_wait_ms)
     fn = load_handler(handler) if isinstance(handler, str) else handler
     guard = open_guard(store_url, consumer or queue)
     stop_metrics: Callable[[], None] = lambda: None  # noqa: E731
@@ -309,7 +331,9 @@ def run_worker(
         description=(
             f"broker={mask_url(broker_url)} queue={queue} store={mask_url(store_url)}"
             f" concurrency={concurrency}"
+            + ("" if batch is None else f" batch_size={batch.size} batch_wait_ms={batch.wait_ms}")
         ),
+        batch=batch,
     )
     try:
         if on_start is not None:

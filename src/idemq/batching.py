@@ -1,0 +1,200 @@
+"""``idemq worker --batch-size N --batch-wait-ms T``: many deliveries per dedup transaction.
+
+One transaction per message caps a PostgreSQL-backed consumer at a few thousand messages a
+second (every commit waits for a WAL flush); ``guard.process_batch`` claims N messages in one
+round trip and commits their effects together. This module feeds it from a broker::
+
+    broker ─ N deliveries (or T ms, or idle) ─► guard.process_batch ─ COMMIT ─► decide() ─► settle
+
+* A delivery is settled only **after** its batch committed, and by its **own** outcome:
+  PROCESSED/DUPLICATE → ack, IN_PROGRESS → retry later, FAILED → ``classify(outcome.error)``
+  (a poison message is retried, then dead-lettered, while the rest of its batch is acked).
+* If the batch itself fails (store down, commit refused), nothing of it committed: every
+  delivery is settled by that one error (a store outage → retry, never dead-letter).
+* At most ``N * concurrency`` deliveries are held: the broker is asked for the next one only
+  when a slot is free, so nothing sits unacked without a thread to run it.
+* ``T`` bounds how long a partial batch waits while messages keep coming; when the broker goes
+  idle (the adapter yields ``None``, ≤ ~0.2 s) the partial batch is flushed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from idemq.brokers.base import Delivery, Verdict, classify
+from idemq.core import Status
+from idemq.errors import ConfigurationError, StoreConflictError
+from idemq.message import Message
+
+if TYPE_CHECKING:
+    from idemq.worker import Worker
+
+__all__ = ["BatchGuard", "BatchSettings", "BatchWorkerLoop", "collect", "verdict_of"]
+
+log = logging.getLogger("idemq.worker")
+
+BATCH_ATTEMPTS = 5  # whole-batch retries after a deadlock: it rolled back, so a rerun is clean
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSettings:
+    """How deliveries are grouped: up to ``size`` messages, a partial batch waits ``wait_ms``."""
+
+    size: int
+    wait_ms: int = 50
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ConfigurationError(f"batch size must be >= 1, got {self.size}")
+        if self.wait_ms < 0:
+            raise ConfigurationError(f"batch wait must be >= 0 ms, got {self.wait_ms}")
+
+
+class _Outcome(Protocol):
+    @property
+    def status(self) -> Status: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+
+class BatchGuard(Protocol):
+    """What the batching worker needs from :class:`idemq.Idempotency`."""
+
+    def process_batch(
+        self, messages: Sequence[Message], handler: Callable[[Message, Any], Any]
+    ) -> Sequence[_Outcome]: ...
+
+
+def verdict_of(outcome: _Outcome) -> tuple[Verdict, str]:
+    """The settlement input of one batch outcome: FAILED is classified by its error."""
+    if outcome.status is Status.FAILED:
+        error = outcome.error
+        assert error is not None, "a FAILED outcome carries its error"
+        return classify(error), f"{type(error).__name__}: {error}"
+    return Verdict[outcome.status.name], ""
+
+
+def collect(
+    deliveries: Iterator[Delivery | None],
+    settings: BatchSettings,
+    clock_ms: Callable[[], int] = lambda: time.monotonic_ns() // 1_000_000,
+) -> Iterator[list[Delivery]]:
+    """Group ``deliveries`` into batches: full, ``wait_ms`` after the first one, or on idle.
+
+    An idle ``None`` from the broker flushes a partial batch: waiting longer would only add
+    latency, since nothing else is arriving. What is held when the stream ends is flushed too,
+    so a graceful stop still handles and settles every delivery it pulled.
+    """
+    pending: list[Delivery] = []
+    deadline_ms = 0
+    for delivery in deliveries:
+        if delivery is not None:
+            if not pending:
+                deadline_ms = clock_ms() + settings.wait_ms
+            pending.append(delivery)
+        if pending and (
+            delivery is None or len(pending) >= settings.size or clock_ms() >= deadline_ms
+        ):
+            yield pending
+            pending = []
+    if pending:
+        yield pending
+
+
+class BatchWorkerLoop:
+    """The batched consume loop of a :class:`~idemq.worker.Worker` (its ``batch`` setting)."""
+
+    def __init__(self, worker: Worker, settings: BatchSettings) -> None:
+        guard = worker.guard
+        if not callable(getattr(guard, "process_batch", None)):
+            raise ConfigurationError(f"{type(guard).__name__} has no process_batch()")
+        self.worker = worker
+        self.settings = settings
+        self.guard: BatchGuard = guard  # type: ignore[assignment]
+
+    @property
+    def slots(self) -> int:
+        """Deliveries held at most: a full batch per thread."""
+        return self.settings.size * self.worker.concurrency
+
+    def run(self, deliveries: Iterator[Delivery | None], slots: threading.Semaphore) -> None:
+        """Consume until the stream ends; every batch handed out is settled before returning."""
+        worker = self.worker
+        # One batch per thread; a thread gives its slots back once its batch is settled.
+        with ThreadPoolExecutor(worker.concurrency, thread_name_prefix="idemq-batch") as pool:
+            for batch in collect(_announce_ready(deliveries, worker.description), self.settings):
+                pool.submit(self._handle_in_slots, batch, slots)
+
+    def handle(self, batch: Sequence[Delivery]) -> list[Verdict]:
+        """Run ``batch`` through ``guard.process_batch``, then settle each delivery."""
+        worker = self.worker
+        results: list[tuple[Verdict, str] | None] = [None] * len(batch)
+        messages: list[Message] = []
+        positions: list[int] = []
+        for i, delivery in enumerate(batch):
+            if delivery.message is None:
+                results[i] = (Verdict.INVALID_MESSAGE, delivery.decode_error or "undecodable")
+            else:
+                messages.append(delivery.message)
+                positions.append(i)
+        if messages:
+            for i, judged in zip(positions, self._judge(messages), strict=True):
+                results[i] = judged
+        verdicts = []
+        for delivery, result in zip(batch, results, strict=True):
+            assert result is not None
+            verdict, detail = result
+            if verdict is Verdict.HANDLER_ERROR:
+                log.warning(
+                    "handler failed on %s (attempt %d): %s",
+                    delivery.describe(),
+                    delivery.delivery_attempt,
+                    detail,
+                )
+            verdicts.append(worker.settle(delivery, verdict, detail))
+        return verdicts
+
+    def _judge(self, messages: list[Message]) -> list[tuple[Verdict, str]]:
+        handler = self.worker.handler
+        for attempt in range(1, BATCH_ATTEMPTS + 1):
+            try:
+                outcomes = self.guard.process_batch(messages, handler)
+            except StoreConflictError as exc:
+                # A deadlock rolled the whole batch back before anything committed.
+                if attempt < BATCH_ATTEMPTS:
+                    continue
+                return [(classify(exc), f"{type(exc).__name__}: {exc}")] * len(messages)
+            except Exception as exc:
+                # Nothing of the batch committed: each delivery is settled by this one error.
+                log.warning("batch of %d failed", len(messages), exc_info=True)
+                return [(classify(exc), f"{type(exc).__name__}: {exc}")] * len(messages)
+            return [verdict_of(outcome) for outcome in outcomes]
+        raise AssertionError("unreachable")
+
+    def _handle_in_slots(self, batch: list[Delivery], slots: threading.Semaphore) -> None:
+        try:
+            self.handle(batch)
+        except Exception:
+            log.exception("unexpected failure handling a batch of %d", len(batch))
+        finally:
+            for _ in batch:
+                slots.release()
+
+
+def _announce_ready(
+    deliveries: Iterator[Delivery | None], description: str
+) -> Iterator[Delivery | None]:
+    """Log the readiness line once the broker answered (its first item, idle or not)."""
+    first = True
+    for delivery in deliveries:
+        if first:
+            first = False
+            log.info("idemq worker ready: %s", description)
+        yield delivery
