@@ -12,6 +12,7 @@ glob-escaped anyway as a second line of defence.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -59,7 +60,14 @@ def glob_escape(value: str) -> str:
     return "".join("\\" + ch if ch in _GLOB_SPECIALS else ch for ch in value)
 
 
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]*\Z")
+
+
 def _encode_part(value: str) -> str:
+    # Typical ids (ORDER_20240115143000123_NODE01_0001) are already unreserved: quote() would
+    # return them unchanged, at a measurable cost per claim.
+    if _UNRESERVED.match(value):
+        return value
     # safe="" also escapes "/", leaving only unreserved characters: no glob, brace or colon.
     return quote(value, safe="", encoding="utf-8", errors="surrogatepass")
 
