@@ -18,12 +18,11 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlch
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
+from idemq._sqlident import translate_db_error
 from idemq.core import system_clock_ms
 from idemq.errors import (
     ConfigurationError,
     LeaseLostError,
-    StoreConflictError,
-    StoreError,
     StoreUnavailableError,
 )
 from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, StoreStats
@@ -39,20 +38,6 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 # on close; the pool's extra reset ROLLBACK would be one more round trip per message on PyMySQL.
 ENGINE_DEFAULTS: dict[str, Any] = {"pool_reset_on_return": None, "pool_pre_ping": False}
 
-# (dialect name, SQLSTATE or MySQL error number) of transient conflicts that are safe to retry.
-_PG_CONFLICTS = {"40001", "40P01"}  # serialization_failure, deadlock_detected
-_MYSQL_CONFLICTS = {1213, 1205}  # ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT
-
-
-def _is_conflict(exc: DBAPIError) -> bool:
-    orig = exc.orig
-    if getattr(orig, "sqlstate", None) in _PG_CONFLICTS:
-        return True
-    args = getattr(orig, "args", ())
-    if args and args[0] in _MYSQL_CONFLICTS:
-        return True
-    return "database is locked" in str(orig)  # SQLite, after the busy timeout
-
 
 @contextmanager
 def translate_errors(where: str) -> Iterator[None]:
@@ -60,14 +45,7 @@ def translate_errors(where: str) -> Iterator[None]:
     try:
         yield
     except DBAPIError as exc:
-        detail = f"{where}: {type(exc.orig).__name__}: {str(exc.orig).strip().splitlines()[0]}"
-        if _is_conflict(exc):
-            raise StoreConflictError(detail) from exc
-        if exc.connection_invalidated or isinstance(
-            exc, sa.exc.OperationalError | sa.exc.InterfaceError
-        ):
-            raise StoreUnavailableError(detail) from exc
-        raise StoreError(detail) from exc
+        raise translate_db_error(exc, where) from exc
     except SQLAlchemyError as exc:  # pool timeout, closed connection, …
         raise StoreUnavailableError(f"{where}: {type(exc).__name__}: {exc}") from exc
     except OSError as exc:
