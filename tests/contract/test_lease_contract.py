@@ -261,3 +261,14 @@ def test_batch_keeps_order_and_isolates_failures(store, clock):
     assert isinstance(outcomes[4].error, idemq.InvalidMessageIdError)
     assert sorted(applied) == ["a", "b"]
     assert store.get("bad", "orders") is None
+
+
+def test_an_expired_lease_is_not_taken_over_by_another_payload(store, clock):
+    request = ClaimRequest(Key("orders", "M"), None, "a" * 64, "f" * 32, clock(), LEASE_MS)
+    assert store.claim(request).acquired
+    clock.advance(LEASE_MS)
+    guard = lease_guard(store, clock)
+    with pytest.raises(idemq.PayloadMismatchError):
+        guard.process("M", Calls(), payload=b"another message under the same id")
+    assert store.get("M", "orders").owner == "f" * 32
+    assert guard.process("M", Calls("same")).status is idemq.Status.PROCESSED  # no payload given

@@ -55,7 +55,16 @@ class MemoryStore:
                 created_time=_utc(request.now_ms),
             )
             return Claim.won()
-        if current.status is RecordStatus.PROCESSING and current.lease_expired(request.now_ms):
+        same_message = (
+            current.payload_hash is None
+            or request.payload_hash is None
+            or current.payload_hash == request.payload_hash
+        )
+        if (
+            current.status is RecordStatus.PROCESSING
+            and current.lease_expired(request.now_ms)
+            and same_message  # another payload must see the record (PayloadMismatchError)
+        ):
             self._records[request.key] = replace(
                 current,
                 owner=request.owner,

@@ -76,6 +76,13 @@ def _record(row: Sequence[Any]) -> Record:
     )
 
 
+# An expired lease is taken over only by the same message: a different payload under the same id
+# must stay a lost claim, so the guard sees the record and raises PayloadMismatchError.
+SAME_PAYLOAD = (
+    "AND ({cur}.payload_hash IS NULL OR {new}.payload_hash IS NULL "
+    "OR {cur}.payload_hash = {new}.payload_hash)"
+)
+
 # The claim path reads a record as ONE JSON text column: drivers pay per column (PyMySQL parses
 # every column descriptor in Python — measured at ~100 µs for the full row), one column is cheap.
 JSON_COLS = (
@@ -147,7 +154,8 @@ class Ops:
         self.sql_takeover = self.sql(
             f"UPDATE {t} SET owner = :owner, lease_until_ms = :lease_until_ms, "
             f"attempts = attempts + 1 WHERE {KEY_WHERE} AND status = 0 "
-            "AND lease_until_ms <= :now_ms"
+            "AND lease_until_ms <= :now_ms AND (payload_hash IS NULL OR :payload_hash IS NULL "
+            "OR payload_hash = :payload_hash)"
         )
         self.sql_purge = self.sql(self.purge_template.format(t=t))
         self.sql_force_release = self.sql(f"DELETE FROM {t} WHERE {KEY_WHERE} AND status = 0")
@@ -332,7 +340,8 @@ class PostgresOps(Ops):
         )
         takeover = (
             "UPDATE SET owner = EXCLUDED.owner, lease_until_ms = EXCLUDED.lease_until_ms, "
-            "attempts = cur.attempts + 1 WHERE cur.status = 0 AND cur.lease_until_ms <= :now_ms"
+            "attempts = cur.attempts + 1 WHERE cur.status = 0 AND cur.lease_until_ms <= :now_ms "
+            + SAME_PAYLOAD.format(cur="cur", new="EXCLUDED")
         )
         # Won: one row (1, NULL) from the insert. Lost: (0, the record as JSON) from the table.
         cte = (
@@ -386,7 +395,8 @@ class SqliteOps(Ops):
         takeover = (
             "UPDATE SET owner = excluded.owner, lease_until_ms = excluded.lease_until_ms, "
             f"attempts = {table}.attempts + 1 "
-            f"WHERE {table}.status = 0 AND {table}.lease_until_ms <= :now_ms"
+            f"WHERE {table}.status = 0 AND {table}.lease_until_ms <= :now_ms "
+            + SAME_PAYLOAD.format(cur=table, new="excluded")
         )
         self.sql_claim = {
             transactional: self.sql(
@@ -464,7 +474,9 @@ class MariaDbOps(MySqlOps):
         # when the lease expired; the other columns follow the owner, so the takeover is all or
         # nothing within one row lock.
         takeover = (
-            "owner = IF(status = 0 AND lease_until_ms <= :now_ms, VALUES(owner), owner), "
+            "owner = IF(status = 0 AND lease_until_ms <= :now_ms AND (payload_hash IS NULL OR "
+            "VALUES(payload_hash) IS NULL OR payload_hash = VALUES(payload_hash)), "
+            "VALUES(owner), owner), "
             "attempts = IF(owner = VALUES(owner), attempts + 1, attempts), "
             "lease_until_ms = IF(owner = VALUES(owner), VALUES(lease_until_ms), lease_until_ms)"
         )
