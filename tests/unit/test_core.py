@@ -1,0 +1,92 @@
+"""The I/O-free core: validation, hashing, result encoding, the claim verdict."""
+
+from __future__ import annotations
+
+import pytest
+
+import idemq
+from idemq.core import (
+    Mode,
+    Policy,
+    Status,
+    decode_result,
+    encode_result,
+    hash_payload,
+    judge,
+    validate_business_id,
+)
+from idemq.stores.base import Claim, Key, Record, RecordStatus
+
+
+def policy(**kw: object) -> Policy:
+    args = {"consumer": "c", "mode": "lease", "lease_s": 30.0, "clock": lambda: 1_000}
+    args.update(kw)
+    return Policy.build(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [None, 0, False, "", [], {}, -1.5, "ü", [None, {"a": [1]}]])
+def test_results_round_trip(value: object):
+    assert decode_result(encode_result(value)) == value
+
+
+@pytest.mark.parametrize("value", [object(), {1, 2}, float("nan"), b"bytes"])
+def test_unstorable_results_are_refused(value: object):
+    with pytest.raises(idemq.ResultNotSerializableError):
+        encode_result(value)
+
+
+def test_payload_hash_is_canonical_for_json_and_exact_for_bytes():
+    assert hash_payload({"a": 1, "b": 2}) == hash_payload({"b": 2, "a": 1})
+    assert hash_payload(b"x") == hash_payload("x")
+    assert hash_payload(b"x") != hash_payload(b"x ")
+    assert hash_payload(None) is None
+    with pytest.raises(idemq.InvalidMessageError):
+        hash_payload(object())
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 65, 5, "a\x00"])
+def test_business_id_validation(bad: object):
+    with pytest.raises(idemq.InvalidBusinessIdError):
+        validate_business_id(bad)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"consumer": ""}, {"consumer": 3}, {"mode": "eventual"}, {"lease_s": 0}]
+)
+def test_policy_refuses_bad_configuration(kw: dict[str, object]):
+    with pytest.raises(idemq.ConfigurationError):
+        policy(**kw)
+
+
+def test_requests_carry_a_fresh_owner_and_lease_only_in_lease_mode():
+    lease = policy()
+    first, second = lease.request("m"), lease.request("m")
+    assert first.owner != second.owner
+    assert first.lease_until_ms == 1_000 + 30_000
+    assert policy(mode="transactional").request("m").lease_ms == 0
+
+
+def record(status: RecordStatus, payload_hash: str | None = "h", result: str | None = '"r"'):
+    return Record("c", "m", status, payload_hash=payload_hash, result=result)
+
+
+def test_judge_maps_a_claim_to_an_outcome():
+    request = policy().request("m")
+    assert judge(request, Claim.won()) is None
+    done = judge(request, Claim.lost_to(record(RecordStatus.PROCESSED)))
+    assert done is not None
+    assert (done.status, done.result, done.should_ack) == (Status.DUPLICATE, "r", True)
+    busy = judge(request, Claim.lost_to(record(RecordStatus.PROCESSING, result=None)))
+    assert busy is not None
+    assert (busy.status, busy.should_ack) == (Status.IN_PROGRESS, False)
+
+
+def test_judge_refuses_another_payload_under_the_same_id():
+    request = policy().request("m", payload=b"new")
+    with pytest.raises(idemq.PayloadMismatchError):
+        judge(request, Claim.lost_to(record(RecordStatus.PROCESSED, payload_hash="old")))
+
+
+def test_modes_are_named():
+    assert Mode("lease") is Mode.LEASE
+    assert Key("c", "m") == Key("c", "m")
