@@ -28,10 +28,11 @@ from idemq.idempotency import AsyncIdempotency, Idempotency
 from idemq.ids import MessageIdGenerator, MessageIdParts, parse_message_id
 from idemq.lock import AsyncRedisLock, RedisLock
 from idemq.message import Message
+from idemq.observe import CompositeObserver, LoggingObserver, Observer
 from idemq.node_lease import NodeLease, lease_node
 from idemq.state_machine import StateMachine, Transition, TransitionResult
 from idemq.stores import open_store
-from idemq.stores.base import Record, RecordStatus
+from idemq.stores.base import Record, RecordStatus, StoreStats
 from idemq.stores.memory import MemoryStore
 from idemq.stores.redis import AsyncRedisStore, RedisStore
 from idemq.stores.sql import AsyncSqlStore, SqlStore
@@ -45,6 +46,7 @@ __all__ = [
     "AsyncRedisStore",
     "AsyncSqlStore",
     "ClockMovedBackwardsError",
+    "CompositeObserver",
     "ConfigurationError",
     "IdemqError",
     "Idempotency",
@@ -55,12 +57,14 @@ __all__ = [
     "LeaseLostError",
     "LockError",
     "LockNotOwnedError",
+    "LoggingObserver",
     "MemoryStore",
     "Message",
     "MessageIdGenerator",
     "MessageIdParts",
     "Mode",
     "NodeLease",
+    "Observer",
     "Outcome",
     "PayloadMismatchError",
     "Record",
@@ -73,6 +77,7 @@ __all__ = [
     "Status",
     "StoreConflictError",
     "StoreError",
+    "StoreStats",
     "StoreUnavailableError",
     "Transition",
     "TransitionResult",

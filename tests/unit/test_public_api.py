@@ -8,6 +8,10 @@ import idemq
 import idemq.errors
 
 EXPECTED = {
+    "CompositeObserver",
+    "LoggingObserver",
+    "Observer",
+    "StoreStats",
     "AsyncIdempotency",
     "AsyncRedisLock",
     "AsyncRedisStore",
