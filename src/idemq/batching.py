@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from idemq.brokers.base import Delivery, Verdict, classify
 from idemq.core import Status
-from idemq.errors import ConfigurationError, StoreConflictError
+from idemq.errors import ConfigurationError
 from idemq.message import Message
 
 if TYPE_CHECKING:
@@ -39,7 +39,10 @@ __all__ = ["BatchGuard", "BatchSettings", "BatchWorkerLoop", "collect", "verdict
 
 log = logging.getLogger("idemq.worker")
 
-BATCH_ATTEMPTS = 5  # whole-batch retries after a deadlock: it rolled back, so a rerun is clean
+# Settling is a round trip to the broker client (for the async clients, a hop to their loop
+# thread and back): one at a time it cost as much as the whole batch's SQL, so a batch's
+# deliveries are settled in parallel — every one of them only after the commit.
+SETTLE_THREADS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,7 @@ class BatchWorkerLoop:
         self.worker = worker
         self.settings = settings
         self.guard: BatchGuard = guard  # type: ignore[assignment]
+        self._settler: ThreadPoolExecutor | None = None
 
     @property
     def slots(self) -> int:
@@ -128,7 +132,11 @@ class BatchWorkerLoop:
         """Consume until the stream ends; every batch handed out is settled before returning."""
         worker = self.worker
         # One batch per thread; a thread gives its slots back once its batch is settled.
-        with ThreadPoolExecutor(worker.concurrency, thread_name_prefix="idemq-batch") as pool:
+        with (
+            ThreadPoolExecutor(SETTLE_THREADS, thread_name_prefix="idemq-settle") as settler,
+            ThreadPoolExecutor(worker.concurrency, thread_name_prefix="idemq-batch") as pool,
+        ):
+            self._settler = settler
             for batch in collect(_announce_ready(deliveries, worker.description), self.settings):
                 pool.submit(self._handle_in_slots, batch, slots)
 
@@ -147,8 +155,9 @@ class BatchWorkerLoop:
         if messages:
             for i, judged in zip(positions, self._judge(messages), strict=True):
                 results[i] = judged
-        verdicts = []
-        for delivery, result in zip(batch, results, strict=True):
+
+        def settle(item: tuple[Delivery, tuple[Verdict, str] | None]) -> Verdict:
+            delivery, result = item
             assert result is not None
             verdict, detail = result
             if verdict is Verdict.HANDLER_ERROR:
@@ -158,25 +167,22 @@ class BatchWorkerLoop:
                     delivery.delivery_attempt,
                     detail,
                 )
-            verdicts.append(worker.settle(delivery, verdict, detail))
-        return verdicts
+            return worker.settle(delivery, verdict, detail)
+
+        items = list(zip(batch, results, strict=True))
+        if self._settler is None or len(items) == 1:
+            return [settle(item) for item in items]
+        return list(self._settler.map(settle, items))
 
     def _judge(self, messages: list[Message]) -> list[tuple[Verdict, str]]:
-        handler = self.worker.handler
-        for attempt in range(1, BATCH_ATTEMPTS + 1):
-            try:
-                outcomes = self.guard.process_batch(messages, handler)
-            except StoreConflictError as exc:
-                # A deadlock rolled the whole batch back before anything committed.
-                if attempt < BATCH_ATTEMPTS:
-                    continue
-                return [(classify(exc), f"{type(exc).__name__}: {exc}")] * len(messages)
-            except Exception as exc:
-                # Nothing of the batch committed: each delivery is settled by this one error.
-                log.warning("batch of %d failed", len(messages), exc_info=True)
-                return [(classify(exc), f"{type(exc).__name__}: {exc}")] * len(messages)
-            return [verdict_of(outcome) for outcome in outcomes]
-        raise AssertionError("unreachable")
+        try:
+            # The guard itself reruns a batch that hit a deadlock (nothing of it committed).
+            outcomes = self.guard.process_batch(messages, self.worker.handler)
+        except Exception as exc:
+            # Nothing of the batch committed: each delivery is settled by this one error.
+            log.warning("batch of %d failed", len(messages), exc_info=True)
+            return [(classify(exc), f"{type(exc).__name__}: {exc}")] * len(messages)
+        return [verdict_of(outcome) for outcome in outcomes]
 
     def _handle_in_slots(self, batch: list[Delivery], slots: threading.Semaphore) -> None:
         try:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar, cast
 
 from idemq.core import (
     NULL_RESULT,
+    BatchPlan,
     Clock,
     Mode,
     Outcome,
@@ -242,6 +243,10 @@ class Idempotency:
         Outcomes come back in message order. In transactional mode every handler runs in one
         transaction, each in its own savepoint: a message whose handler raises gets a FAILED
         outcome (its claim is undone, so it can be retried) and does not roll back the others.
+        Savepoints cost two statements per message, so the batch first runs without them; only
+        if a handler raises is that transaction rolled back whole and the batch run again with
+        a savepoint per message (handlers of the good messages then run twice; their writes
+        commit once). A deadlock reruns the batch when idemq owns the transaction.
         """
         outcomes = self._process_batch(messages, handler, connection)
         if self.observer is not None:
@@ -263,6 +268,30 @@ class Idempotency:
                     )
                 ]
             )
+        # Optimistic pass first: no savepoints (they cost two statements per message). If a
+        # handler raises, that transaction rolls back whole and the batch runs again, isolated.
+        for isolate in (False, True):
+            for attempt in range(1, CLAIM_ATTEMPTS + 1):
+                try:
+                    return plan.assemble(
+                        self._batch_in(plan, by_request, handler, connection, isolate)
+                    )
+                except _HandlerFailedError:
+                    break
+                except StoreConflictError:
+                    # A deadlock rolled the whole batch back: nothing of it committed.
+                    if connection is not None or attempt == CLAIM_ATTEMPTS:
+                        raise
+        raise AssertionError("unreachable: the isolated pass never raises _HandlerFailedError")
+
+    def _batch_in(
+        self,
+        plan: BatchPlan,
+        by_request: list[Message],
+        handler: Callable[[Message, Any], Any],
+        connection: Any,
+        isolate: bool,
+    ) -> list[Outcome[Any]]:
         store = cast(TransactionalStore, self.store)
         with store.transaction(connection) as tx:
             claims = store.claim_many_in(tx, plan.requests)
@@ -273,18 +302,22 @@ class Idempotency:
                 if judged is not None:
                     outcomes.append(judged)
                     continue
+                if not isolate:
+                    try:
+                        result = _handle_and_save(store, tx, request, handler(msg, tx))
+                    except Exception as exc:
+                        raise _HandlerFailedError from exc
+                    outcomes.append(processed(request, result))
+                    continue
                 try:
                     with store.savepoint(tx):
-                        result = handler(msg, tx)
-                        encoded = encode_result(result)
-                        if encoded != NULL_RESULT:
-                            store.save_result_in(tx, request.key, encoded)
+                        result = _handle_and_save(store, tx, request, handler(msg, tx))
                 except Exception as exc:
                     store.release_in(tx, request.key, request.owner)
                     outcomes.append(failed(request, exc))
                 else:
                     outcomes.append(processed(request, result))
-        return plan.assemble(outcomes)
+        return outcomes
 
     def _batch_lease_one(
         self,
@@ -333,6 +366,29 @@ class Idempotency:
             return wrapper
 
         return decorate
+
+
+class _HandlerFailedError(Exception):
+    """A handler raised in the optimistic (savepoint-free) pass: rerun the batch isolated."""
+
+
+def _handle_and_save(
+    store: TransactionalStore, tx: Any, request: ClaimRequest, result: object
+) -> object:
+    encoded = encode_result(result)
+    if encoded != NULL_RESULT:
+        store.save_result_in(tx, request.key, encoded)
+    return result
+
+
+async def _ahandle_and_save(
+    store: AsyncTransactionalStore, tx: Any, request: ClaimRequest, result: object
+) -> object:
+    result = await _maybe_await(result)
+    encoded = encode_result(result)
+    if encoded != NULL_RESULT:
+        await store.save_result_in(tx, request.key, encoded)
+    return result
 
 
 def _judged(requests: Sequence[ClaimRequest], claims: Sequence[Any]) -> list[Outcome[Any] | None]:
@@ -490,15 +546,38 @@ class AsyncIdempotency:
     ) -> list[Outcome[Any]]:
         plan = plan_batch(self.policy, messages)
         by_request = [messages[i] for i in plan.first_index]
-        outcomes: list[Outcome[Any]] = []
         if self.policy.mode is Mode.LEASE:
+            outcomes: list[Outcome[Any]] = []
             claims = await self.store.claim_many(plan.requests)
             for request, judged, msg in zip(
                 plan.requests, _judged(plan.requests, claims), by_request, strict=True
             ):
                 outcomes.append(await self._batch_lease_one(request, judged, msg, handler))
             return plan.assemble(outcomes)
+        # See Idempotency._process_batch: optimistic pass, then isolated in savepoints.
+        for isolate in (False, True):
+            for attempt in range(1, CLAIM_ATTEMPTS + 1):
+                try:
+                    return plan.assemble(
+                        await self._batch_in(plan, by_request, handler, connection, isolate)
+                    )
+                except _HandlerFailedError:
+                    break
+                except StoreConflictError:
+                    if connection is not None or attempt == CLAIM_ATTEMPTS:
+                        raise
+        raise AssertionError("unreachable: the isolated pass never raises _HandlerFailedError")
+
+    async def _batch_in(
+        self,
+        plan: BatchPlan,
+        by_request: list[Message],
+        handler: Callable[[Message, Any], Any],
+        connection: Any,
+        isolate: bool,
+    ) -> list[Outcome[Any]]:
         store = cast(AsyncTransactionalStore, self.store)
+        outcomes: list[Outcome[Any]] = []
         async with store.transaction(connection) as tx:
             claims = await store.claim_many_in(tx, plan.requests)
             for request, judged, msg in zip(
@@ -507,18 +586,22 @@ class AsyncIdempotency:
                 if judged is not None:
                     outcomes.append(judged)
                     continue
+                if not isolate:
+                    try:
+                        result = await _ahandle_and_save(store, tx, request, handler(msg, tx))
+                    except Exception as exc:
+                        raise _HandlerFailedError from exc
+                    outcomes.append(processed(request, result))
+                    continue
                 try:
                     async with store.savepoint(tx):
-                        result = await _maybe_await(handler(msg, tx))
-                        encoded = encode_result(result)
-                        if encoded != NULL_RESULT:
-                            await store.save_result_in(tx, request.key, encoded)
+                        result = await _ahandle_and_save(store, tx, request, handler(msg, tx))
                 except Exception as exc:
                     await store.release_in(tx, request.key, request.owner)
                     outcomes.append(failed(request, exc))
                 else:
                     outcomes.append(processed(request, result))
-        return plan.assemble(outcomes)
+        return outcomes
 
     async def _batch_lease_one(
         self,
