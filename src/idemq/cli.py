@@ -302,6 +302,32 @@ def cmd_purge(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def parse_header(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` → (key, value), for ``publish --header``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"a header is KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from idemq.publish import publish  # noqa: PLC0415
+
+    body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
+    message_id = publish(
+        args.broker,
+        args.queue,
+        body,
+        message_id=args.id,
+        business_id=args.business_id,
+        headers=dict(args.header),
+        prefix=args.prefix,
+        attempts=args.attempts,
+    )
+    print(message_id)
+    return EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from idemq.stores.sql import SqlStore, schema_sql  # noqa: PLC0415
 
@@ -465,6 +491,27 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         help="rows per transaction, so no long lock is held (default 1000)",
     )
     purge.add_argument("--json", action="store_true")
+
+    publish = add("publish", cmd_publish, "publish one message with a stamped id; print the id")
+    publish.add_argument("body", metavar="BODY", help="the message body, or - to read stdin")
+    publish.add_argument(
+        "--broker",
+        required=True,
+        help="amqp://, kafka://, nats://, redis://, mqtt:// or embedded:///path/queue.db",
+    )
+    publish.add_argument("--queue", required=True)
+    publish.add_argument("--id", help="message id (default: a fresh PREFIX_… id)")
+    publish.add_argument("--prefix", default="MSG", help="prefix of stamped ids (default MSG)")
+    publish.add_argument("--business-id")
+    publish.add_argument(
+        "--header", type=parse_header, action="append", default=[], metavar="KEY=VALUE"
+    )
+    publish.add_argument(
+        "--attempts",
+        type=int,
+        default=3,
+        help="tries when a confirm times out, always with the same id",
+    )
 
     schema = add("schema", cmd_schema, "print the dedup table's DDL (or create it with --store)")
     schema.add_argument(

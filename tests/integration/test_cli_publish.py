@@ -1,0 +1,92 @@
+"""``idemq publish`` puts one message with a stamped (or given) id on a broker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import idemq
+from idemq.brokers.embedded import EmbeddedBroker
+
+IDEMQ = str(Path(sys.executable).with_name("idemq"))
+
+
+def test_publish_stamps_an_id_and_the_consumer_sees_it(tmp_path: Path):
+    url = f"embedded:///{tmp_path / 'q.db'}"
+    done = subprocess.run(
+        [
+            IDEMQ,
+            "publish",
+            "--broker",
+            url,
+            "--queue",
+            "orders",
+            "--prefix",
+            "ORDER",
+            "--business-id",
+            "order_7",
+            "--header",
+            "source=cli",
+            '{"amount": 3}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    message_id = done.stdout.strip()
+    assert idemq.parse_message_id(message_id).prefix == "ORDER"
+
+    broker = EmbeddedBroker(tmp_path / "q.db")
+    try:
+        delivery = next(d for d in broker.consume("orders") if d is not None)
+        msg = delivery.message
+        assert msg is not None
+        assert (msg.id, msg.business_id, msg.json()) == (message_id, "order_7", {"amount": 3})
+        assert msg.headers["source"] == "cli"
+        delivery.ack()
+    finally:
+        broker.close()
+
+
+def test_publish_reads_stdin_and_keeps_a_given_id(tmp_path: Path):
+    url = f"embedded:///{tmp_path / 'q.db'}"
+    done = subprocess.run(
+        [IDEMQ, "publish", "--broker", url, "--queue", "q", "--id", "PAY_1", "-"],
+        input=b"raw bytes",
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == b"PAY_1"
+    broker = EmbeddedBroker(tmp_path / "q.db")
+    try:
+        delivery = next(d for d in broker.consume("q") if d is not None)
+        assert delivery.message is not None
+        assert delivery.message.body == b"raw bytes"
+        delivery.ack()
+    finally:
+        broker.close()
+
+
+def test_a_bad_header_is_a_usage_error(tmp_path: Path):
+    done = subprocess.run(
+        [
+            IDEMQ,
+            "publish",
+            "--broker",
+            f"embedded:///{tmp_path / 'q.db'}",
+            "--queue",
+            "q",
+            "--header",
+            "novalue",
+            "x",
+        ],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
