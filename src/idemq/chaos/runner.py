@@ -39,7 +39,9 @@ from idemq.publish import Publisher
 
 __all__ = ["ChaosConfig", "run_chaos"]
 
-OPENING_BALANCE = 10**12  # no order ever fails for lack of funds: only duplicates may change it
+_QUIET_LOGGERS = ("idemq.publish", "idemq.brokers", "nats", "aio_pika", "aiormq")
+# No order fails for lack of funds (the seed debit does not check): only duplicates move money.
+OPENING_BALANCE = 10**12
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class ChaosConfig:
     lease_s: float = 5.0
     seed: int = 7
     keep: bool = False  # keep tables, keys and queue afterwards (for inspection)
+    accounts: int = 10
+    opening_balance_cents: int = OPENING_BALANCE  # per account; never short, so only duplicates
 
 
 def run_chaos(
@@ -105,14 +109,16 @@ class _Run:
     # -- phases ------------------------------------------------------------------------------
 
     def run(self) -> ChaosResult:
-        # The producer's "unconfirmed, retrying" warnings are the point of cause 1, not news.
-        publish_log = logging.getLogger("idemq.publish")
-        level = publish_log.level
-        publish_log.setLevel(logging.ERROR)
+        # "Unconfirmed, retrying" and "connection reset" are the point of cause 1, not news.
+        loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
         try:
             return self._run()
         finally:
-            publish_log.setLevel(level)
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
 
     def _run(self) -> ChaosResult:
         self._notes()
@@ -153,9 +159,10 @@ class _Run:
 
     def _prepare(self, engine: sa.Engine) -> None:
         create_schema(engine, self.tables)
-        accounts = {f"acct-{n}": OPENING_BALANCE for n in range(10)}
+        c = self.config
+        accounts = {f"acct-{n}": c.opening_balance_cents for n in range(c.accounts)}
         orders = [
-            (f"order-{n:07d}", f"acct-{n % 10}", self.rng.randint(100, 50_000))
+            (f"order-{n:07d}", f"acct-{n % c.accounts}", self.rng.randint(100, 50_000))
             for n in range(self.config.messages)
         ]
         with engine.begin() as conn:
