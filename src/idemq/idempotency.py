@@ -269,14 +269,17 @@ class Idempotency:
                 ]
             )
         # Optimistic pass first: no savepoints (they cost two statements per message). If a
-        # handler raises, that transaction rolls back whole and the batch runs again, isolated.
-        for isolate in (False, True):
+        # handler raises, that transaction rolls back whole and the batch runs again, each
+        # message in a savepoint; the one that raised is FAILED with its error, not rerun.
+        failures: dict[int, Exception] | None = None
+        for _pass in range(2):
             for attempt in range(1, CLAIM_ATTEMPTS + 1):
                 try:
                     return plan.assemble(
-                        self._batch_in(plan, by_request, handler, connection, isolate)
+                        self._batch_in(plan, by_request, handler, connection, failures)
                     )
-                except _HandlerFailedError:
+                except _HandlerFailedError as exc:
+                    failures = {exc.index: exc.error}
                     break
                 except StoreConflictError:
                     # A deadlock rolled the whole batch back: nothing of it committed.
@@ -290,23 +293,26 @@ class Idempotency:
         by_request: list[Message],
         handler: Callable[[Message, Any], Any],
         connection: Any,
-        isolate: bool,
+        failures: dict[int, Exception] | None,
     ) -> list[Outcome[Any]]:
         store = cast(TransactionalStore, self.store)
         with store.transaction(connection) as tx:
-            claims = store.claim_many_in(tx, plan.requests)
+            to_claim = _to_claim(plan.requests, failures)
+            claims = store.claim_many_in(tx, to_claim) if to_claim else []
             outcomes = []
-            for request, judged, msg in zip(
-                plan.requests, _judged(plan.requests, claims), by_request, strict=True
+            for i, (request, judged, msg) in enumerate(
+                zip(
+                    plan.requests, _judged(plan.requests, claims, failures), by_request, strict=True
+                )
             ):
                 if judged is not None:
                     outcomes.append(judged)
                     continue
-                if not isolate:
+                if failures is None:
                     try:
                         result = _handle_and_save(store, tx, request, handler(msg, tx))
                     except Exception as exc:
-                        raise _HandlerFailedError from exc
+                        raise _HandlerFailedError(i, exc) from exc
                     outcomes.append(processed(request, result))
                     continue
                 try:
@@ -371,6 +377,20 @@ class Idempotency:
 class _HandlerFailedError(Exception):
     """A handler raised in the optimistic (savepoint-free) pass: rerun the batch isolated."""
 
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(index, error)
+        self.index = index  # in BatchPlan.requests
+        self.error = error
+
+
+def _to_claim(
+    requests: list[ClaimRequest], failures: dict[int, Exception] | None
+) -> list[ClaimRequest]:
+    """The requests to claim: all but those whose handler already failed in this batch."""
+    if not failures:
+        return requests
+    return [request for i, request in enumerate(requests) if i not in failures]
+
 
 def _handle_and_save(
     store: TransactionalStore, tx: Any, request: ClaimRequest, result: object
@@ -391,12 +411,22 @@ async def _ahandle_and_save(
     return result
 
 
-def _judged(requests: Sequence[ClaimRequest], claims: Sequence[Any]) -> list[Outcome[Any] | None]:
-    """judge() each claim; a payload mismatch fails only that message of the batch."""
+def _judged(
+    requests: Sequence[ClaimRequest],
+    claims: Sequence[Any],
+    failures: dict[int, Exception] | None = None,
+) -> list[Outcome[Any] | None]:
+    """judge() each claim; a payload mismatch fails only that message of the batch.
+
+    ``claims`` skips the requests in ``failures`` (handler already failed: FAILED as is)."""
     out: list[Outcome[Any] | None] = []
-    for request, claim in zip(requests, claims, strict=True):
+    claimed = iter(claims)
+    for i, request in enumerate(requests):
+        if failures and i in failures:
+            out.append(failed(request, failures[i]))
+            continue
         try:
-            out.append(judge(request, claim))
+            out.append(judge(request, next(claimed)))
         except Exception as exc:
             out.append(failed(request, exc))
     return out
@@ -555,13 +585,15 @@ class AsyncIdempotency:
                 outcomes.append(await self._batch_lease_one(request, judged, msg, handler))
             return plan.assemble(outcomes)
         # See Idempotency._process_batch: optimistic pass, then isolated in savepoints.
-        for isolate in (False, True):
+        failures: dict[int, Exception] | None = None
+        for _pass in range(2):
             for attempt in range(1, CLAIM_ATTEMPTS + 1):
                 try:
                     return plan.assemble(
-                        await self._batch_in(plan, by_request, handler, connection, isolate)
+                        await self._batch_in(plan, by_request, handler, connection, failures)
                     )
-                except _HandlerFailedError:
+                except _HandlerFailedError as exc:
+                    failures = {exc.index: exc.error}
                     break
                 except StoreConflictError:
                     if connection is not None or attempt == CLAIM_ATTEMPTS:
@@ -574,23 +606,26 @@ class AsyncIdempotency:
         by_request: list[Message],
         handler: Callable[[Message, Any], Any],
         connection: Any,
-        isolate: bool,
+        failures: dict[int, Exception] | None,
     ) -> list[Outcome[Any]]:
         store = cast(AsyncTransactionalStore, self.store)
         outcomes: list[Outcome[Any]] = []
         async with store.transaction(connection) as tx:
-            claims = await store.claim_many_in(tx, plan.requests)
-            for request, judged, msg in zip(
-                plan.requests, _judged(plan.requests, claims), by_request, strict=True
+            to_claim = _to_claim(plan.requests, failures)
+            claims = await store.claim_many_in(tx, to_claim) if to_claim else []
+            for i, (request, judged, msg) in enumerate(
+                zip(
+                    plan.requests, _judged(plan.requests, claims, failures), by_request, strict=True
+                )
             ):
                 if judged is not None:
                     outcomes.append(judged)
                     continue
-                if not isolate:
+                if failures is None:
                     try:
                         result = await _ahandle_and_save(store, tx, request, handler(msg, tx))
                     except Exception as exc:
-                        raise _HandlerFailedError from exc
+                        raise _HandlerFailedError(i, exc) from exc
                     outcomes.append(processed(request, result))
                     continue
                 try:

@@ -208,3 +208,22 @@ def test_sigkill_mid_batch_commits_nothing_and_redelivery_applies_each_once(kind
     finally:
         effects.drop()
         dispose(store)
+
+
+def test_a_failure_in_the_savepoint_free_pass_is_reported_not_retried(any_store, effects):
+    # The batch runs without savepoints first; a handler that raises there must end FAILED
+    # (as with savepoints from the start), even if it would succeed on a second call.
+    guard = guard_for(any_store, unique("c"))
+    calls: Counter[str] = Counter()
+
+    def flaky(msg: idemq.Message, tx: Any) -> None:
+        calls[msg.id] += 1
+        if msg.id == "F" and calls["F"] == 1:
+            raise RuntimeError("transient")
+        effects.write(msg.id, tx)
+
+    batch = [idemq.Message(id=i, body=b"x") for i in ("A", "F", "B")]
+    outcomes = guard.process_batch(batch, flaky)
+    assert [o.status.value for o in outcomes] == ["processed", "failed", "processed"]
+    assert calls["F"] == 1
+    assert effects.counts() == Counter({"A": 1, "B": 1})
