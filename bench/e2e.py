@@ -1,0 +1,324 @@
+"""End to end: broker → handler → PostgreSQL, idemq workers vs a hand-written consumer, one run.
+
+The work is the order example's ``pay`` written as the seed's SQL: in ONE transaction, insert the
+dedup row and, if it was new, move the order to PAID, debit the account and write a ledger row;
+ack after the commit. Contenders, on the same queue kind, the same prefetch (100), one consumer
+process each:
+
+* ``raw``      hand-written: aiormq (aio-pika's low-level client; pika is not installed) /
+               redis-py / nats-py + psycopg 3, the seed's SQL, ack after commit;
+* ``idemq``    ``idemq worker bench.e2e:handle`` per message (one transaction per message);
+* ``batch``    the same with ``--batch-size 100 --batch-wait-ms 50``.
+
+The idemq handler runs the same business statements through ``tx.exec_driver_sql`` and returns
+``None`` (the seed stores no result, so neither does this run). Throughput is measured inside
+PostgreSQL: ledger rows carry ``clock_timestamp()``, so process start-up and polling are not
+counted. Contenders are interleaved, best of ``--repeat``; the load average is printed.
+
+    python bench/e2e.py [--n 5000] [--repeat 3] [--only amqp,redis,nats]
+    python bench/e2e.py --memory 100000          # RSS of one worker over 100k messages
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+PG_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+NATS_URL = "nats://127.0.0.1:4222"
+BROKERS = {"amqp": AMQP_URL, "redis": REDIS_URL, "nats": NATS_URL}
+PREFETCH = 100
+BATCH = 100
+P = os.environ.get("IDEMQ_E2E_PREFIX", "bench_e2e_")
+
+# The business statements, shared verbatim by the hand-written consumer and the idemq handler.
+PAY = (
+    f"UPDATE {P}orders SET status = 'PAID', paid_by = %s WHERE order_id = %s "
+    "AND status IN ('PENDING_PAYMENT', 'PAYMENT_FAILED') RETURNING account_id, amount"
+)
+DEBIT = f"UPDATE {P}accounts SET balance = balance - %s WHERE account_id = %s AND balance >= %s"
+LEDGER = f"INSERT INTO {P}ledger (order_id, account_id, amount, message_id) VALUES (%s, %s, %s, %s)"
+DEDUP = (
+    f"INSERT INTO {P}message_idempotent_raw (message_id, business_id, status, processed_time) "
+    "VALUES (%s, %s, 1, now()) ON CONFLICT (message_id) DO NOTHING"
+)
+
+
+def pay(execute: Callable[[str, tuple[Any, ...]], Any], message_id: str, order_id: str) -> None:
+    """The order example's ``pay``: transition, then debit and ledger only if it applied."""
+    row = execute(PAY, (message_id, order_id)).fetchone()
+    if row is None:
+        return
+    account_id, amount = row
+    if execute(DEBIT, (amount, account_id, amount)).rowcount != 1:
+        raise RuntimeError(f"account {account_id} cannot pay {amount}")
+    execute(LEDGER, (order_id, account_id, amount, message_id))
+
+
+def handle(msg: Any, tx: Any) -> None:
+    """``idemq worker bench.e2e:handle``: the same SQL through the dedup transaction."""
+    pay(tx.exec_driver_sql, msg.id, json.loads(msg.body)["order_id"])
+
+
+# -- database --------------------------------------------------------------------------------
+
+
+def reset(n: int) -> None:
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        conn.execute(
+            f"DROP TABLE IF EXISTS {P}orders, {P}accounts, {P}ledger, {P}message_idempotent_raw"
+        )
+        conn.execute(
+            f"CREATE TABLE {P}orders (order_id VARCHAR(64) PRIMARY KEY, account_id VARCHAR(64), "
+            "status VARCHAR(32), amount BIGINT, paid_by VARCHAR(128))"
+        )
+        conn.execute(
+            f"CREATE TABLE {P}accounts (account_id VARCHAR(64) PRIMARY KEY, balance BIGINT)"
+        )
+        conn.execute(
+            f"CREATE TABLE {P}ledger (entry_id BIGSERIAL PRIMARY KEY, order_id VARCHAR(64), "
+            "account_id VARCHAR(64), amount BIGINT, message_id VARCHAR(128), "
+            "at TIMESTAMPTZ DEFAULT clock_timestamp())"
+        )
+        conn.execute(
+            f"CREATE TABLE {P}message_idempotent_raw (message_id VARCHAR(128) PRIMARY KEY, "
+            "business_id VARCHAR(64), status SMALLINT DEFAULT 0, processed_time TIMESTAMP, "
+            "created_time TIMESTAMP DEFAULT now())"
+        )
+        conn.execute(
+            f"INSERT INTO {P}accounts SELECT 'a' || g, 1000000000000 FROM generate_series(0, 99) g"
+        )
+        conn.execute(
+            f"INSERT INTO {P}orders SELECT 'o-' || g, 'a' || (g % 100), 'PENDING_PAYMENT', 100, "
+            f"NULL FROM generate_series(0, {n - 1}) g"
+        )
+
+
+def ledger_rate(n: int, timeout_s: float) -> float:
+    """Wait for ``n`` ledger rows; msg/s between the first and the last commit."""
+    deadline = time.monotonic() + timeout_s
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        while True:
+            count, first, last = conn.execute(
+                f"SELECT count(*), min(at), max(at) FROM {P}ledger"
+            ).fetchone()  # type: ignore[misc]
+            if count >= n:
+                return (n - 1) / max((last - first).total_seconds(), 1e-9)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {count}/{n} effects after {timeout_s}s")
+            time.sleep(0.25)
+
+
+# -- the hand-written consumers (run as their own process: --raw BROKER --queue Q) ------------
+
+
+def raw_apply(pg: psycopg.Connection[Any], message_id: str, body: bytes) -> None:
+    """The seed's consumer: dedup row + business change in one transaction."""
+    with pg.transaction():
+        if pg.execute(DEDUP, (message_id, None)).rowcount == 1:
+            pay(pg.execute, message_id, json.loads(body)["order_id"])
+
+
+async def raw_amqp(queue: str) -> None:
+    import aiormq  # noqa: PLC0415
+
+    pg = psycopg.connect(PG_DSN)
+    conn = await aiormq.connect(AMQP_URL)
+    channel = await conn.channel()
+    await channel.basic_qos(prefetch_count=PREFETCH)
+
+    async def on_message(message: Any) -> None:
+        raw_apply(pg, message.header.properties.message_id, message.body)
+        await channel.basic_ack(message.delivery.delivery_tag)  # after the commit
+
+    await channel.basic_consume(queue, on_message)
+    await asyncio.Event().wait()
+
+
+def raw_redis(queue: str) -> None:
+    import redis  # noqa: PLC0415
+
+    pg = psycopg.connect(PG_DSN)
+    client = redis.Redis.from_url(REDIS_URL)
+    client.xgroup_create(queue, "raw", id="0", mkstream=True)
+    while True:
+        reply = client.xreadgroup("raw", "c1", {queue: ">"}, count=PREFETCH, block=200)
+        for entry_id, fields in reply[0][1] if reply else []:
+            raw_apply(pg, fields[b"id"].decode(), fields[b"body"])
+            client.xack(queue, "raw", entry_id)
+
+
+async def raw_nats(queue: str) -> None:
+    import nats  # noqa: PLC0415
+    from nats.errors import TimeoutError as NatsTimeout  # noqa: PLC0415
+
+    from idemq.brokers.nats import stream_name  # noqa: PLC0415
+
+    pg = psycopg.connect(PG_DSN)
+    nc = await nats.connect(NATS_URL)
+    sub = await nc.jetstream().pull_subscribe(queue, "raw", stream=stream_name(queue))
+    while True:
+        try:
+            msgs = await sub.fetch(PREFETCH, timeout=0.5)
+        except NatsTimeout:
+            continue
+        for msg in msgs:
+            raw_apply(pg, msg.headers["idemq-message-id"], msg.data)
+            await msg.ack_sync()  # double ack, as idemq's adapter does
+
+
+# -- one contender ----------------------------------------------------------------------------
+
+
+def publish(broker_url: str, queue: str, n: int) -> None:
+    from idemq.brokers import open_broker  # noqa: PLC0415
+
+    broker = open_broker(broker_url)
+    broker.declare(queue)
+    bodies = [(f"{queue}-{i}", json.dumps({"order_id": f"o-{i}"}).encode()) for i in range(n)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda m: broker.publish(queue, m[1], message_id=m[0]), bodies))
+    broker.close()
+
+
+def command(kind: str, broker: str, queue: str) -> list[str]:
+    if kind == "raw":
+        return [sys.executable, __file__, "--raw", broker, "--queue", queue]
+    cmd = [str(ROOT / ".venv/bin/idemq"), "worker", "bench.e2e:handle", "--broker"]
+    cmd += [BROKERS[broker], "--queue", queue, "--store", PG_URL, "--prefetch", str(PREFETCH)]
+    return cmd + (["--batch-size", str(BATCH), "--batch-wait-ms", "50"] if kind == "batch" else [])
+
+
+def run_one(kind: str, broker: str, n: int) -> float:
+    reset(n)
+    queue = f"{P}{broker}_{kind}_{os.getpid()}_{time.monotonic_ns() % 10**9}"
+    publish(BROKERS[broker], queue, n)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "IDEMQ_E2E_PREFIX": P}
+    proc = subprocess.Popen(command(kind, broker, queue), env=env, stderr=subprocess.DEVNULL)
+    try:
+        return ledger_rate(n, timeout_s=max(60.0, n / 200))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        cleanup(broker, queue)
+
+
+def cleanup(broker: str, queue: str) -> None:
+    from idemq.brokers import open_broker  # noqa: PLC0415
+
+    opened = open_broker(BROKERS[broker])
+    opened.delete_queue(queue)
+    opened.close()
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        conn.execute("DELETE FROM message_idempotent WHERE consumer = %s", (queue,))
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def memory(n: int, kind: str, every: int = 10_000) -> None:
+    reset(n)
+    queue = f"{P}mem_{os.getpid()}"
+    publish(REDIS_URL, queue, n)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "IDEMQ_E2E_PREFIX": P}
+    proc = subprocess.Popen(command(kind, "redis", queue), env=env, stderr=subprocess.DEVNULL)
+    samples: list[tuple[int, int]] = []
+    try:
+        with psycopg.connect(PG_DSN, autocommit=True) as conn:
+            mark = every
+            while mark <= n:
+                done = conn.execute(f"SELECT count(*) FROM {P}ledger").fetchone()[0]  # type: ignore[index]
+                if done >= mark:
+                    samples.append((done, rss_kib(proc.pid)))
+                    mark += every
+                time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        cleanup("redis", queue)
+    for done, kib in samples:
+        print(f"memory[{kind}] after {done:>7} msgs: VmRSS {kib / 1024:7.1f} MiB")
+    warm = [kib for _, kib in samples[1:]]  # first sample = warm-up (imports, pools, caches)
+    drift = (warm[-1] - warm[0]) / warm[0] * 100
+    print(
+        f"memory[{kind}] after warm-up: min {min(warm) / 1024:.1f} MiB, "
+        f"max {max(warm) / 1024:.1f} MiB, drift {drift:+.1f} %, "
+        f"spread {(max(warm) - min(warm)) / min(warm) * 100:.1f} %"
+    )
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=5000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", default="amqp,redis,nats")
+    parser.add_argument("--memory", type=int, help="RSS of one worker over N messages instead")
+    parser.add_argument("--memory-kind", default="idemq", choices=["idemq", "batch"])
+    parser.add_argument("--raw", choices=list(BROKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--queue", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.raw:
+        runner = {"amqp": raw_amqp, "redis": raw_redis, "nats": raw_nats}[args.raw]
+        result = runner(args.queue)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+        return
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.memory:
+        memory(args.memory, args.memory_kind)
+        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        return
+    print(
+        f"{args.n} messages per run, prefetch {PREFETCH}, batch {BATCH}, best of {args.repeat}; "
+        "raw = aiormq (pika not installed) / redis-py / nats-py + psycopg 3, seed's SQL"
+    )
+    brokers = args.only.split(",")
+    kinds = ["raw", "idemq", "batch"]
+    best: dict[tuple[str, str], float] = {}
+    for rep in range(args.repeat):
+        for broker in brokers:
+            for kind in kinds if rep % 2 == 0 else kinds[::-1]:  # interleaved, order alternated
+                rate = run_one(kind, broker, args.n)
+                best[broker, kind] = max(best.get((broker, kind), 0.0), rate)
+                print(f"  run {rep + 1} {broker:5} {kind:5} {rate:8.0f} msg/s", flush=True)
+    for broker in brokers:
+        raw, one, many = (best[broker, k] for k in kinds)
+        print(
+            f"{broker:5}: raw {raw:7.0f} msg/s | idemq per-message {one:7.0f} msg/s "
+            f"({one / raw:.2f}x raw) | idemq batch {many:7.0f} msg/s "
+            f"({many / one:.2f}x per-message, {many / raw:.2f}x raw)"
+        )
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
