@@ -111,8 +111,10 @@ def bench(backend: Backend, repeat: int) -> list[tuple[str, float, float]]:
     for _ in range(repeat):
         reset(store)
         for contender in ("raw", "idemq"):
-            run = (lambda: raw_loop(backend, ids)) if contender == "raw" else (
-                lambda: idemq_loop(store, backend, ids)
+            run = (
+                (lambda: raw_loop(backend, ids))
+                if contender == "raw"
+                else (lambda: idemq_loop(store, backend, ids))
             )
             for phase in ("first", "duplicates"):
                 elapsed = run()
@@ -138,20 +140,31 @@ def backends(args: argparse.Namespace) -> list[Backend]:
 
     every = [
         Backend(
-            "postgres", PG_URL, "%s", lambda: psycopg.connect(PG_DSN),
+            "postgres",
+            PG_URL,
+            "%s",
+            lambda: psycopg.connect(PG_DSN),
             f"INSERT INTO {RAW_TABLE} (message_id, business_id, status, processed_time) "
-            "VALUES (%s, %s, 1, now()) ON CONFLICT (message_id) DO NOTHING", args.n,
+            "VALUES (%s, %s, 1, now()) ON CONFLICT (message_id) DO NOTHING",
+            args.n,
         ),
         Backend(
-            "mariadb", MYSQL_URL, "%s",
+            "mariadb",
+            MYSQL_URL,
+            "%s",
             lambda: pymysql.connect(host="127.0.0.1", user="root", database="test"),
             f"INSERT IGNORE INTO {RAW_TABLE} (message_id, business_id, status, processed_time) "
-            "VALUES (%s, %s, 1, NOW(6))", args.n,
+            "VALUES (%s, %s, 1, NOW(6))",
+            args.n,
         ),
         Backend(
-            "sqlite", f"sqlite:///{sqlite_path}", "?", sqlite_connect,
+            "sqlite",
+            f"sqlite:///{sqlite_path}",
+            "?",
+            sqlite_connect,
             f"INSERT OR IGNORE INTO {RAW_TABLE} (message_id, business_id, status, processed_time) "
-            "VALUES (?, ?, 1, CURRENT_TIMESTAMP)", args.sqlite_n,
+            "VALUES (?, ?, 1, CURRENT_TIMESTAMP)",
+            args.sqlite_n,
         ),
     ]
     return [b for b in every if not args.only or b.name in args.only.split(",")]
@@ -168,8 +181,9 @@ def main() -> None:
     for backend in backends(args):
         for phase, raw_rate, idemq_rate in bench(backend, args.repeat):
             ratio = idemq_rate / raw_rate
-            print(f"{backend.name:<10}{phase:<12}{raw_rate:>12,.0f}{idemq_rate:>14,.0f}"
-                  f"{ratio:>7.2f}x")
+            print(
+                f"{backend.name:<10}{phase:<12}{raw_rate:>12,.0f}{idemq_rate:>14,.0f}{ratio:>7.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ from idemq.idempotency import AsyncIdempotency, Idempotency
 from idemq.ids import MessageIdGenerator, MessageIdParts, parse_message_id
 from idemq.lock import AsyncRedisLock, RedisLock
 from idemq.message import Message
-from idemq.observe import CompositeObserver, LoggingObserver, Observer
 from idemq.node_lease import NodeLease, lease_node
+from idemq.observe import CompositeObserver, LoggingObserver, Observer
 from idemq.state_machine import StateMachine, Transition, TransitionResult
 from idemq.stores import open_store
 from idemq.stores.base import Record, RecordStatus, StoreStats
