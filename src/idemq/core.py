@@ -295,6 +295,17 @@ def plan_batch(policy: Policy, messages: Sequence[_BatchItem]) -> BatchPlan:
             seen[message_id] = len(requests)
             requests.append(request)
             first_index.append(i)
+        first = requests[seen[message_id]]
+        if (
+            request.payload_hash is not None
+            and first.payload_hash is not None
+            and request.payload_hash != first.payload_hash
+        ):
+            # The same id twice in one batch with different bodies: the repeat is not a
+            # duplicate of the first, it is a producer bug — as it would be across batches.
+            error = PayloadMismatchError(message_id, first.payload_hash, request.payload_hash)
+            slots.append(Outcome(Status.FAILED, message_id, error=error))
+            continue
         slots.append(seen[message_id])
     return BatchPlan(requests, first_index, slots)
 

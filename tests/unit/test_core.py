@@ -90,3 +90,22 @@ def test_judge_refuses_another_payload_under_the_same_id():
 def test_modes_are_named():
     assert Mode("lease") is Mode.LEASE
     assert Key("c", "m") == Key("c", "m")
+
+
+def test_a_repeated_id_with_another_body_in_one_batch_is_a_payload_mismatch():
+    from idemq.core import plan_batch
+
+    plan = plan_batch(
+        policy(),
+        [
+            idemq.Message(id="m", body=b"first"),
+            idemq.Message(id="m", body=b"first"),
+            idemq.Message(id="m", body=b"other"),
+        ],
+    )
+    assert len(plan.requests) == 1
+    assert plan.slots[:2] == [0, 0]
+    mismatch = plan.slots[2]
+    assert not isinstance(mismatch, int)
+    assert mismatch.status is Status.FAILED
+    assert isinstance(mismatch.error, idemq.PayloadMismatchError)
