@@ -13,6 +13,7 @@ from idemq.core import (
     encode_result,
     hash_payload,
     judge,
+    plan_batch,
     validate_business_id,
 )
 from idemq.stores.base import Claim, Key, Record, RecordStatus
@@ -93,8 +94,6 @@ def test_modes_are_named():
 
 
 def test_a_repeated_id_with_another_body_in_one_batch_is_a_payload_mismatch():
-    from idemq.core import plan_batch
-
     plan = plan_batch(
         policy(),
         [
