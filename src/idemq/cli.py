@@ -141,6 +141,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         seed=args.seed,
         keep=args.keep,
+        rate_per_s=args.rate,
     )
     if args.json:
         result = run_chaos(config)
@@ -409,6 +410,7 @@ def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
     chaos.add_argument("--dir", help="where event files go (default: a temp dir)")
     chaos.add_argument("--timeout", type=float, default=300.0, help="stop after S seconds")
     chaos.add_argument("--seed", type=int, default=7)
+    chaos.add_argument("--rate", type=float, default=0.0, help="messages/s (default: unpaced)")
     chaos.add_argument("--keep", action="store_true", help="keep tables, keys and queue")
 
 

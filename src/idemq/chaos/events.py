@@ -73,7 +73,7 @@ class Tally:
     """Incremental reader of every worker's events, plus the supervisor's kills."""
 
     directory: Path
-    killed_pids: set[int] = field(default_factory=set)
+    killed_at_s: dict[int, float] = field(default_factory=dict)  # pid → when it was seen dead
     kill_times_s: list[float] = field(default_factory=list)
     deliveries: list[Delivery] = field(default_factory=list)
     self_kills: int = 0
@@ -82,7 +82,7 @@ class Tally:
 
     def kill(self, pid: int, at_s: float) -> None:
         """The supervisor saw worker ``pid`` die from a kill at ``at_s``."""
-        self.killed_pids.add(pid)
+        self.killed_at_s[pid] = at_s
         self.kill_times_s.append(at_s)
 
     def poll(self) -> None:
@@ -144,12 +144,18 @@ class Tally:
         previous = same_copy[-1]
         if previous.verdict in _RETRY_VERDICTS:
             return "retry"
-        if previous.end_s is None and previous.pid in self.killed_pids:
+        killed_s = self.killed_at_s.get(previous.pid)
+        died_first = killed_s is not None and killed_s <= delivery.start_s
+        if previous.end_s is None and died_first:
             return "crash"
         if previous.end_s is None or previous.end_s > delivery.start_s:
-            return "slow"
-        if previous.pid in self.killed_pids:
+            return "slow"  # the broker gave up on a copy that was still running
+        if died_first:
             return "crash"  # settled, but the ack/offset commit died with the worker
+        if previous.slow:
+            # Our log sees a delivery only once it reaches the guard: the broker may have
+            # handed the copy out while the slow one ran, logged after the slow one finished.
+            return "slow"
         return "other"
 
     def verdicts(self) -> Counter[str]:

@@ -49,6 +49,7 @@ class Capabilities:
     redelivery_s: float  # after this long unacked, the broker hands the message out again
     partition_note: str = ""
     slow_note: str = ""
+    min_uptime_s: float = 0.0  # how long a fresh worker needs before it consumes at all
 
 
 _CAPABILITIES = {
@@ -64,6 +65,7 @@ _CAPABILITIES = {
         3.0,
         partition_note="Kafka clients reconnect to the advertised listener, not the proxy",
         slow_note="the Kafka adapter does not expose max.poll.interval.ms",
+        min_uptime_s=4.0,  # group join + first fetch after a restart
     ),
 }
 

@@ -64,6 +64,7 @@ class ChaosConfig:
     seed: int = 7
     keep: bool = False  # keep tables, keys and queue afterwards (for inspection)
     accounts: int = 10
+    rate_per_s: float = 0.0  # producer pace (0 = as fast as confirms come): steady traffic
     opening_balance_cents: int = OPENING_BALANCE  # per account; never short, so only duplicates
 
 
@@ -204,7 +205,12 @@ class _Run:
                 tally.kill(pid, at_s)
 
         supervisor = Supervisor(
-            self._spec(), c.workers, c.kill_every_s, on_death, rng=random.Random(c.seed + 1)
+            self._spec(),
+            c.workers,
+            c.kill_every_s,
+            on_death,
+            rng=random.Random(c.seed + 1),
+            min_uptime_s=self.caps.min_uptime_s,
         )
         started_s, started_wall = time.monotonic(), time.time()
         thread = threading.Thread(target=self._produce, args=(producer, proxy), daemon=True)
@@ -250,7 +256,10 @@ class _Run:
         c = self.config
         publisher = Publisher(producer, prefix="ORDER", attempts=4, retry_delay_s=0.2)
         rng = random.Random(c.seed + 2)
+        started_s = time.monotonic()
         for n in range(c.messages):
+            if c.rate_per_s > 0:
+                self.stop_producing.wait(max(started_s + n / c.rate_per_s - time.monotonic(), 0))
             order_id = f"order-{n:07d}"
             body = f'{{"event": "pay", "order_id": "{order_id}"}}'.encode()
             message_id = publisher.ids.next_id()

@@ -1,6 +1,6 @@
 """Keeps W worker processes alive while killing one every ``kill_every_s`` (cause 3).
 
-Each kill tick picks a random live worker and either
+Each kill tick picks a random live worker and, alternately,
 
 * SIGKILLs it at once — a random point: mid-handler, mid-commit, between commit and ack, idle;
 * or *arms* it (SIGUSR1): it SIGKILLs itself at its next ack, i.e. right after the business
@@ -40,11 +40,15 @@ class Supervisor:
     clock_s: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
     arm_timeout_s: float = 3.0
+    # A worker younger than this is spared: on Kafka, a consumer killed before its group
+    # join completes never consumes at all, and the run would make no progress.
+    min_uptime_s: float = 0.0
     killing: bool = True
     kills: int = 0
     armed_kills: int = 0
     restarts: int = 0
     _procs: dict[int, BaseProcess] = field(default_factory=dict)
+    _born_s: dict[int, float] = field(default_factory=dict)  # slot → start time
     _doomed: dict[int, float] = field(default_factory=dict)  # pid → SIGKILL deadline
     _next_kill_s: float = 0.0
 
@@ -62,6 +66,7 @@ class Supervisor:
         proc = self._ctx.Process(target=chaos_worker.run, args=(self.spec,), daemon=True)
         proc.start()
         self._procs[slot] = proc
+        self._born_s[slot] = self.clock_s()
 
     def tick(self) -> None:
         """Restart the dead, enforce armed deadlines, and kill when a tick is due."""
@@ -83,12 +88,19 @@ class Supervisor:
             self._kill_one(now)
 
     def _kill_one(self, now: float) -> None:
-        alive = [p.pid for p in self._procs.values() if p.is_alive() and p.pid not in self._doomed]
+        alive = [
+            p.pid
+            for slot, p in self._procs.items()
+            if p.is_alive()
+            and p.pid not in self._doomed
+            and now - self._born_s[slot] >= self.min_uptime_s
+        ]
         if not alive:
             return
         pid = self.rng.choice([p for p in alive if p is not None])
         self.kills += 1
-        if self.rng.random() < 0.5:
+        # Alternate, so even a short run has both kinds (a coin could give only one).
+        if self.kills % 2 == 1:
             self._doomed[pid] = now
             self._sigkill(pid)
         else:

@@ -1,0 +1,85 @@
+"""Cause attribution from worker events (pure logic: events written by hand)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from idemq.chaos.events import EventLog, Tally
+
+
+def write(directory: Path, pid: int, events: list[dict[str, object]]) -> None:
+    with (directory / f"events-{pid}.jsonl").open("a") as f:
+        for event in events:
+            f.write(json.dumps({"pid": pid, **event}) + "\n")
+
+
+def start(seq: int, mid: str, copy: int, t: float) -> dict[str, object]:
+    return {"k": "start", "seq": seq, "id": mid, "copy": copy, "t": t}
+
+
+def done(seq: int, mid: str, verdict: str, t: float) -> dict[str, object]:
+    return {"k": "done", "seq": seq, "id": mid, "v": verdict, "t": t}
+
+
+def test_each_cause_is_named_from_what_happened(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        1,
+        [
+            start(1, "m1", 1, 0.0),
+            done(1, "m1", "processed", 0.1),  # first delivery
+            start(2, "m2", 1, 1.0),  # slow: still running...
+            start(3, "m3", 1, 2.0),  # killed before settling
+        ],
+    )
+    write(
+        tmp_path,
+        2,
+        [
+            start(1, "m1", 2, 0.5),
+            done(1, "m1", "duplicate", 0.6),  # producer retry's copy
+            start(2, "m2", 1, 1.5),
+            done(2, "m2", "duplicate", 1.6),  # ...when this came
+            start(3, "m3", 1, 5.0),
+            done(3, "m3", "processed", 5.1),  # after the kill
+            start(4, "m4", 1, 6.0),
+            done(4, "m4", "in_progress", 6.1),
+            start(5, "m4", 1, 7.0),
+            done(5, "m4", "processed", 7.1),  # asked-for retry
+        ],
+    )
+    tally = Tally(tmp_path)
+    tally.kill(1, 3.0)
+    tally.poll()
+    causes = tally.attribute()
+    assert (causes["partition"], causes["slow"], causes["crash"], causes["other"]) == (1, 1, 1, 0)
+    assert causes["retry"] == 1
+    assert tally.verdicts()["duplicate"] == 2
+    timeline = tally.timeline(0.0, 1.0)
+    assert sum(p["deliveries"] for p in timeline) == 8
+    assert sum(p["kills"] for p in timeline) == 1
+
+
+def test_a_torn_last_line_waits_and_bad_lines_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "events-7.jsonl"
+    path.write_text(
+        '{"k": "start", "pid": 7, "seq": 1, "id": "a", "copy": 1, "t": 1}\nnot json\n{"k": "st'
+    )
+    tally = Tally(tmp_path)
+    tally.poll()
+    assert [d.message_id for d in tally.deliveries] == ["a"]
+    with path.open("a") as f:
+        f.write('art", "pid": 7, "seq": 2, "id": "b", "copy": 1, "t": 2}\n')
+    tally.poll()
+    assert [d.message_id for d in tally.deliveries] == ["a", "b"]
+
+
+def test_event_log_appends_one_line_per_event(tmp_path: Path) -> None:
+    log = EventLog(tmp_path)
+    log.write("start", seq=1, id="x", copy=1)
+    log.write("done", seq=1, id="x", v="processed")
+    log.close()
+    tally = Tally(tmp_path)
+    tally.poll()
+    assert [(d.message_id, d.verdict) for d in tally.deliveries] == [("x", "processed")]
