@@ -39,7 +39,7 @@ def test_kafka_with_postgres(tmp_path: Path, tansu: str) -> None:
     require_service("postgres")
     # One partition, so one consuming member: kill that one. Steady traffic (10/s) so that
     # kills land while messages flow; the supervisor spares a worker until its group join is done.
-    knobs = {**ALL, "messages": 200, "workers": 1, "rate_per_s": 10.0}
+    knobs = {**ALL, "messages": 150, "workers": 1, "rate_per_s": 10.0}
     result = chaos(f"kafka://{tansu}", PG_URL, tmp_path, **knobs)
     assert result.crashes > 0
     assert any("Kafka" in note for note in result.notes)  # partition/slow: said, not faked
@@ -70,7 +70,8 @@ def test_broker_mechanism_duplicates_without_guard(
     service, url = BROKERS[name]
     require_service(service)
     require_service("postgres")
-    result = chaos(url, PG_URL, tmp_path, guard=False, **knobs)
+    # Each partition stalls the producer for a window plus a reconnect: keep N small.
+    result = chaos(url, PG_URL, tmp_path, guard=False, messages=60, **knobs)
     assert result.causes[cause] > 0, result.to_json()
     assert result.double_applied > 0, result.to_json()
 
@@ -78,7 +79,8 @@ def test_broker_mechanism_duplicates_without_guard(
 def test_nats_absorbs_producer_retries_by_msg_id(tmp_path: Path) -> None:
     require_service("nats")
     require_service("postgres")
-    result = chaos(BROKERS["nats"][1], PG_URL, tmp_path, guard=False, partition_rate=0.1)
+    knobs = {"messages": 50, "partition_rate": 0.1}
+    result = chaos(BROKERS["nats"][1], PG_URL, tmp_path, guard=False, **knobs)
     assert result.injected["producer_retries"] > 0  # the retries happened...
     assert result.causes["partition"] == 0  # ...and JetStream's duplicate window dropped them
     assert result.double_applied == 0
