@@ -175,13 +175,9 @@ class Worker:
             log.info("idemq worker stopped: %s", self.stats)
             return self.stats
         slots = threading.Semaphore(self.concurrency)
-        ready = False
         try:
             with ThreadPoolExecutor(self.concurrency, thread_name_prefix="idemq-worker") as pool:
                 for delivery in self._deliveries(slots):
-                    if not ready:
-                        ready = True
-                        log.info("idemq worker ready: %s", self.description)
                     if delivery is None:
                         continue
                     pool.submit(self._handle_in_slot, delivery, slots)
@@ -254,6 +250,7 @@ class Worker:
     def _deliveries(self, slots: threading.Semaphore) -> Iterator[Delivery | None]:
         """Deliveries, each pulled only once a slot is free; reconnects after broker failures."""
         backoff_s = 0.5
+        ready = False
         while not self.stopping.is_set():
             stream = self.broker.consume(self.queue, prefetch=self.prefetch)
             try:
@@ -266,6 +263,9 @@ class Worker:
                     except BaseException:
                         slots.release()
                         raise
+                    if not ready:  # the broker answered: batched or not, say so once
+                        ready = True
+                        log.info("idemq worker ready: %s", self.description)
                     if delivery is None:
                         slots.release()
                     yield delivery

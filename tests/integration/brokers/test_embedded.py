@@ -118,22 +118,31 @@ def test_several_worker_processes_share_one_queue(tmp_path: Path) -> None:
         "PYTHONPATH": f"{SRC}{os.pathsep}{tmp_path}",
         "EFFECTS_TABLE": business.table,
     }
+    logs = [tmp_path / f"worker{n}.log" for n in range(3)]
+    sinks = [log.open("w") for log in logs]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RUN_WORKER, url, "q", business.url],
-            env=env,
-            stderr=subprocess.DEVNULL,
+            [sys.executable, "-c", RUN_WORKER, url, "q", business.url], env=env, stderr=sink
         )
-        for _ in range(3)
+        for sink in sinks
     ]
     try:
         wait_for(lambda: set(business.counts()) == set(ids), 60, "all 60 effects")
         wait_for(lambda: broker.depth("q") == 0, 20, "every message acked")
+        # A SIGTERM that lands while a worker still imports kills it before its handler is
+        # installed; the graceful stop is what this test is about, so wait for readiness.
+        wait_for(
+            lambda: all("idemq worker ready" in log.read_text() for log in logs),
+            30,
+            "every worker ready",
+        )
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(30) for proc in procs]
         broker.close()
+        for sink in sinks:
+            sink.close()
     assert codes == [0, 0, 0]
     assert business.counts() == Counter({message_id: 1 for message_id in ids})
     business.drop()
