@@ -73,7 +73,13 @@ def _record_table(data: dict[str, Any]) -> Table:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from idemq.demo import DemoConfig, default_directory, run_demo  # noqa: PLC0415
+    from idemq.demo import (  # noqa: PLC0415
+        DemoConfig,
+        default_directory,
+        intro,
+        render_report,
+        run_demo,
+    )
 
     directory = Path(args.dir) if args.dir else default_directory()
     directory.mkdir(parents=True, exist_ok=True)
@@ -82,45 +88,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     if not args.json:
         console.rule("[bold]idemq demo[/bold]: exactly-once payments on an at-least-once queue")
-        console.print(
-            "Three things make brokers deliver a message twice. This demo makes all three "
-            "happen for real:\n"
-            "  1. [bold]producer retry[/bold]: the publish confirm is lost, the producer "
-            "publishes the same message again;\n"
-            "  2. [bold]slow consumer[/bold]: a handler outlasts the queue's visibility "
-            "timeout and the queue hands the message to another worker;\n"
-            "  3. [bold]crash before ack[/bold]: a worker is killed after its payment "
-            "committed, before it acknowledged.\n"
-            f"Queue and ledger (SQLite) in {directory}; guard: "
-            + ("[green]idemq[/green]" if config.guard else "[red]none (--no-guard)[/red]")
-        )
+        console.print(intro(config))
     report = run_demo(config, progress=(lambda _: None) if args.json else console.print)
     if args.json:
         _print_json({**report.__dict__, "ok": report.ok})
-        return EXIT_OK if report.ok else EXIT_FAILED
-    table = Table(title="What happened")
-    table.add_column("")
-    table.add_column("count", justify="right")
-    table.add_row("orders produced", str(report.produced))
-    table.add_row("messages published (incl. producer retries)", str(report.published))
-    table.add_row("workers killed between commit and ack", str(report.crashes))
-    for kind, count in sorted(report.outcomes.items()):
-        table.add_row(f"deliveries seen as {kind}", str(count))
-    table.add_row("payments in the ledger", str(report.payments))
-    table.add_row("orders paid more than once", str(report.double_paid))
-    table.add_row("orders never paid", str(report.lost))
-    table.add_row("balance / expected", f"{report.balance} / {report.expected_balance}")
-    console.print(table)
-    if report.ok:
-        console.print(
-            f"[bold green]✓ every order paid exactly once[/bold green] ({report.seconds:.1f} s)"
-        )
-        return EXIT_OK
-    console.print(
-        f"[bold red]✗ {report.double_paid} orders paid more than once, "
-        f"{report.lost} never[/bold red] ({report.seconds:.1f} s)"
-    )
-    return EXIT_FAILED
+    else:
+        render_report(report, console)
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:

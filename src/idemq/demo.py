@@ -22,10 +22,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from idemq.chaos.result import ChaosResult, Progress
 from idemq.chaos.runner import ChaosConfig, run_chaos
 
-__all__ = ["DemoConfig", "DemoReport", "default_directory", "run_demo"]
+__all__ = [
+    "DemoConfig",
+    "DemoReport",
+    "default_directory",
+    "intro",
+    "render_report",
+    "run_demo",
+]
 
 ACCOUNTS = 4
 OPENING_BALANCE_CENTS = 25_000_000  # per account: readable numbers in the balance row
@@ -137,6 +147,48 @@ def run_demo(config: DemoConfig, progress: Callable[[str], None] = lambda _: Non
     else:
         progress(f"without idemq, {result.double_applied} orders were paid more than once")
     return DemoReport.from_result(result)
+
+
+def intro(config: DemoConfig) -> str:
+    """The story told before the run (rich markup)."""
+    guard = "[green]idemq[/green]" if config.guard else "[red]none (--no-guard)[/red]"
+    return (
+        "Three things make brokers deliver a message twice. This demo makes all three happen "
+        "for real:\n"
+        "  1. [bold]producer retry[/bold]: the publish confirm is lost, the producer publishes "
+        "the same message again;\n"
+        "  2. [bold]slow consumer[/bold]: a handler outlasts the queue's visibility timeout and "
+        "the queue hands the message to another worker;\n"
+        "  3. [bold]crash before ack[/bold]: workers are killed, some right after their payment "
+        "committed, before they acknowledged.\n"
+        f"Queue and ledger (SQLite) in {config.directory}; guard: {guard}"
+    )
+
+
+def render_report(report: DemoReport, console: Console) -> None:
+    """The table and the verdict after the run."""
+    table = Table(title="What happened")
+    table.add_column("")
+    table.add_column("count", justify="right")
+    table.add_row("orders produced", str(report.produced))
+    table.add_row("messages published (incl. producer retries)", str(report.published))
+    table.add_row("workers killed (some right after commit, before ack)", str(report.crashes))
+    for kind, count in sorted(report.outcomes.items()):
+        table.add_row(f"deliveries seen as {kind}", str(count))
+    table.add_row("payments in the ledger", str(report.payments))
+    table.add_row("orders paid more than once", str(report.double_paid))
+    table.add_row("orders never paid", str(report.lost))
+    table.add_row("balance / expected (cents)", f"{report.balance} / {report.expected_balance}")
+    console.print(table)
+    if report.ok:
+        console.print(
+            f"[bold green]✓ every order paid exactly once[/bold green] ({report.seconds:.1f} s)"
+        )
+    else:
+        console.print(
+            f"[bold red]✗ {report.double_paid} orders paid more than once, "
+            f"{report.lost} never[/bold red] ({report.seconds:.1f} s)"
+        )
 
 
 def default_directory() -> Path:
