@@ -169,6 +169,15 @@ def decode(
     return message, None
 
 
+def outgoing_headers(headers: Mapping[str, str] | None, message_id: str | None) -> dict[str, str]:
+    """The headers a publish sends: the caller's, plus ``idemq-message-id`` when an id is given
+    (every adapter carries the id in this header, whatever else the broker offers)."""
+    out = dict(headers or {})
+    if message_id is not None:
+        out[MESSAGE_ID_HEADER] = message_id
+    return out
+
+
 def dead_letter_headers(
     headers: Mapping[str, str], *, reason: str, queue: str, delivery_attempt: int
 ) -> dict[str, str]:

@@ -27,9 +27,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
-from idemq.message import MESSAGE_ID_HEADER
 
 __all__ = ["EmbeddedBroker"]
 
@@ -116,9 +115,7 @@ class EmbeddedBroker:
         message_id: str | None = None,
     ) -> None:
         """Append a message (committed when this returns)."""
-        all_headers = dict(headers or {})
-        if message_id is not None:
-            all_headers[MESSAGE_ID_HEADER] = message_id
+        all_headers = outgoing_headers(headers, message_id)
         self._run(
             "INSERT INTO idemq_queue (queue, body, headers, visible_at_ms) VALUES (?, ?, ?, ?)",
             (queue, body, json.dumps(all_headers), self._clock_ms()),

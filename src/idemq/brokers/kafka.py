@@ -28,9 +28,8 @@ import confluent_kafka
 import confluent_kafka.admin
 from confluent_kafka.admin import AdminClient
 
-from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
-from idemq.message import MESSAGE_ID_HEADER
 
 __all__ = ["KafkaBroker"]
 
@@ -159,9 +158,7 @@ class KafkaBroker:
         message_id: str | None = None,
     ) -> None:
         """Produce one record (key = message id) and wait until the broker acknowledged it."""
-        all_headers = dict(headers or {})
-        if message_id is not None:
-            all_headers[MESSAGE_ID_HEADER] = message_id
+        all_headers = outgoing_headers(headers, message_id)
         self._produce(queue, body, all_headers, key=message_id)
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:

@@ -29,9 +29,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
-from idemq.message import MESSAGE_ID_HEADER
 
 __all__ = ["MqttBroker"]
 
@@ -150,9 +149,7 @@ class MqttBroker:
         message_id: str | None = None,
     ) -> None:
         """Publish at QoS 1 and wait for the PUBACK."""
-        all_headers = dict(headers or {})
-        if message_id is not None:
-            all_headers[MESSAGE_ID_HEADER] = message_id
+        all_headers = outgoing_headers(headers, message_id)
         self.publish_with(self._publisher, queue, body, all_headers)
 
     def publish_with(

@@ -29,9 +29,8 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
 
 from idemq.brokers._aioloop import LoopThread
-from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
-from idemq.message import MESSAGE_ID_HEADER
 
 __all__ = ["NatsBroker"]
 
@@ -137,9 +136,8 @@ class NatsBroker:
         message_id: str | None = None,
     ) -> None:
         """Publish with ``Nats-Msg-Id`` (server-side dedup window) and wait for the PubAck."""
-        all_headers = dict(headers or {})
+        all_headers = outgoing_headers(headers, message_id)
         if message_id is not None:
-            all_headers[MESSAGE_ID_HEADER] = message_id
             all_headers[NATS_MSG_ID] = message_id
         self._call(self._js.publish(queue, body, headers=all_headers or None))
 

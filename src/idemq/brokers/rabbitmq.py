@@ -26,9 +26,8 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
 from idemq.brokers._aioloop import Inbox, LoopThread
-from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError
-from idemq.message import MESSAGE_ID_HEADER
 
 __all__ = ["RabbitMQBroker"]
 
@@ -109,9 +108,7 @@ class RabbitMQBroker:
         message_id: str | None = None,
     ) -> None:
         """Publish persistently through the default exchange and wait for the confirm."""
-        all_headers: dict[str, Any] = dict(headers or {})
-        if message_id is not None:
-            all_headers[MESSAGE_ID_HEADER] = message_id
+        all_headers: dict[str, Any] = dict(outgoing_headers(headers, message_id))
         message = aio_pika.Message(
             body,
             headers=all_headers,
