@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -134,6 +135,10 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from idemq.worker import run_worker  # noqa: PLC0415
 
+    # MODULE:HANDLER is usually the user's own code in the current directory; a console script's
+    # sys.path does not include it (uvicorn and celery add it the same way).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     stats = run_worker(
         args.handler,
         broker_url=args.broker,
