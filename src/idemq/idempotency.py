@@ -98,7 +98,40 @@ def _optional(fn: Callable[..., object] | None, args: tuple[Any, ...], kw: dict[
     return None if fn is None else fn(*args, **kw)
 
 
-class Idempotency:
+class _Guard:
+    """What the sync and the async guard share: settings, store and observer."""
+
+    policy: Policy
+    observer: Observer | None
+
+    def _configure(
+        self,
+        store: object,
+        *,
+        transactional: bool,
+        consumer: str,
+        mode: str | None,
+        lease_s: float,
+        clock: Clock | None,
+        observer: Observer | None,
+    ) -> None:
+        mode = _mode_for(store, mode, transactional)
+        self.policy = Policy.build(consumer=consumer, mode=mode, lease_s=lease_s, clock=clock)
+        # Metrics/tracing/logging hooks (idemq.observe); None costs one check per message.
+        self.observer = observer
+
+    @property
+    def consumer(self) -> str:
+        """The dedup scope: message ids are unique per consumer."""
+        return self.policy.consumer
+
+    @property
+    def mode(self) -> Mode:
+        """Transactional (dedup row in the business transaction) or lease."""
+        return self.policy.mode
+
+
+class Idempotency(_Guard):
     """Guards message handlers so each message's effect happens once.
 
     ``Idempotency(SqlStore(url), consumer="orders")`` runs handlers in the dedup transaction;
@@ -117,19 +150,16 @@ class Idempotency:
         observer: Observer | None = None,
     ) -> None:
         transactional = isinstance(store, TransactionalStore)
-        mode = _mode_for(store, mode, transactional)
-        self.policy = Policy.build(consumer=consumer, mode=mode, lease_s=lease_s, clock=clock)
+        self._configure(
+            store,
+            transactional=transactional,
+            consumer=consumer,
+            mode=mode,
+            lease_s=lease_s,
+            clock=clock,
+            observer=observer,
+        )
         self.store = store
-        # Metrics/tracing/logging hooks (idemq.observe); None costs one check per message.
-        self.observer = observer
-
-    @property
-    def consumer(self) -> str:
-        return self.policy.consumer
-
-    @property
-    def mode(self) -> Mode:
-        return self.policy.mode
 
     def process(
         self,
@@ -432,7 +462,7 @@ def _judged(
     return out
 
 
-class AsyncIdempotency:
+class AsyncIdempotency(_Guard):
     """The asyncio twin of :class:`Idempotency`: same arguments, ``await guard.process(...)``.
 
     ``handler`` may be a coroutine function or a plain function.
@@ -449,18 +479,16 @@ class AsyncIdempotency:
         observer: Observer | None = None,
     ) -> None:
         transactional = isinstance(store, AsyncTransactionalStore)
-        mode = _mode_for(store, mode, transactional)
-        self.policy = Policy.build(consumer=consumer, mode=mode, lease_s=lease_s, clock=clock)
+        self._configure(
+            store,
+            transactional=transactional,
+            consumer=consumer,
+            mode=mode,
+            lease_s=lease_s,
+            clock=clock,
+            observer=observer,
+        )
         self.store = store
-        self.observer = observer
-
-    @property
-    def consumer(self) -> str:
-        return self.policy.consumer
-
-    @property
-    def mode(self) -> Mode:
-        return self.policy.mode
 
     async def process(
         self,
