@@ -66,7 +66,50 @@ def _from_url(factory: Any, url: str, socket_timeout_s: float) -> Any:
         raise ConfigurationError(f"invalid Redis URL {redact_url(url)}: {exc}") from exc
 
 
-class RedisStore:
+class _RedisStoreBase:
+    """What the sync and the async Redis store share: layout, clock, client and naming."""
+
+    _layout: ops.Layout
+    _clock: Clock
+    _server: str
+    _owns_client: bool
+
+    def _connect(  # noqa: PLR0917 - private; mirrors the public constructors
+        self,
+        client_or_url: Any,
+        client_type: type[Any],
+        ttl_s: float,
+        prefix: str,
+        clock: Clock | None,
+        socket_timeout_s: float,
+    ) -> Any:
+        """The client to use: built from a URL (then owned and closed by the store) or given."""
+        self._layout = ops.Layout.build(prefix, ttl_s)
+        self._clock = clock or system_clock_ms
+        if isinstance(client_or_url, str):
+            client = _from_url(client_type.from_url, client_or_url, socket_timeout_s)
+            self._owns_client = True
+        elif isinstance(client_or_url, client_type):
+            client = client_or_url
+            self._owns_client = False
+        else:
+            raise ConfigurationError(
+                f"{type(self).__name__} needs a {client_type.__module__}.{client_type.__name__} "
+                f"or a URL, got {type(client_or_url).__name__}"
+            )
+        self._server = describe_server(client.connection_pool.connection_kwargs)
+        return client
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._server}, prefix={self._layout.prefix!r})"
+
+    @property
+    def prefix(self) -> str:
+        """The key namespace of this store's records."""
+        return self._layout.prefix
+
+
+class RedisStore(_RedisStoreBase):
     """Lease-mode dedup store on Redis (one hash per record, one Lua round trip per primitive).
 
     ``client_or_url``: a ``redis.Redis`` (shared, not closed by :meth:`close`) or a
@@ -84,33 +127,13 @@ class RedisStore:
         clock: Clock | None = None,
         socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
     ) -> None:
-        self._layout = ops.Layout.build(prefix, ttl_s)
-        self._clock = clock or system_clock_ms
-        if isinstance(client_or_url, str):
-            self._client: redis.Redis = _from_url(
-                redis.Redis.from_url, client_or_url, socket_timeout_s
-            )
-            self._owns_client = True
-        elif isinstance(client_or_url, redis.Redis):
-            self._client = client_or_url
-            self._owns_client = False
-        else:
-            raise ConfigurationError(
-                f"RedisStore needs a redis.Redis or a URL, got {type(client_or_url).__name__}"
-            )
-        self._server = describe_server(self._client.connection_pool.connection_kwargs)
+        self._client: redis.Redis = self._connect(
+            client_or_url, redis.Redis, ttl_s, prefix, clock, socket_timeout_s
+        )
         self._command: Any = self._client.execute_command  # untyped in redis-py
         # register_script only hashes the source: the first EVALSHA loads it (and reloads it
         # after a restart wiped the server's script cache).
         self._scripts = {s.name: self._client.register_script(s.source) for s in ALL_SCRIPTS}
-
-    def __repr__(self) -> str:
-        return f"RedisStore({self._server}, prefix={self._layout.prefix!r})"
-
-    @property
-    def prefix(self) -> str:
-        """The key namespace of this store's records."""
-        return self._layout.prefix
 
     @property
     def client(self) -> redis.Redis:
@@ -184,7 +207,7 @@ class RedisStore:
             self._client.close()
 
 
-class AsyncRedisStore:
+class AsyncRedisStore(_RedisStoreBase):
     """Async twin of :class:`RedisStore` (``redis.asyncio.Redis`` or a URL); same primitives."""
 
     def __init__(
@@ -196,32 +219,11 @@ class AsyncRedisStore:
         clock: Clock | None = None,
         socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
     ) -> None:
-        self._layout = ops.Layout.build(prefix, ttl_s)
-        self._clock = clock or system_clock_ms
-        if isinstance(client_or_url, str):
-            self._client: redis.asyncio.Redis = _from_url(
-                redis.asyncio.Redis.from_url, client_or_url, socket_timeout_s
-            )
-            self._owns_client = True
-        elif isinstance(client_or_url, redis.asyncio.Redis):
-            self._client = client_or_url
-            self._owns_client = False
-        else:
-            raise ConfigurationError(
-                "AsyncRedisStore needs a redis.asyncio.Redis or a URL, "
-                f"got {type(client_or_url).__name__}"
-            )
-        self._server = describe_server(self._client.connection_pool.connection_kwargs)
+        self._client: redis.asyncio.Redis = self._connect(
+            client_or_url, redis.asyncio.Redis, ttl_s, prefix, clock, socket_timeout_s
+        )
         self._command: Any = self._client.execute_command  # untyped in redis-py
         self._scripts = {s.name: self._client.register_script(s.source) for s in ALL_SCRIPTS}
-
-    def __repr__(self) -> str:
-        return f"AsyncRedisStore({self._server}, prefix={self._layout.prefix!r})"
-
-    @property
-    def prefix(self) -> str:
-        """The key namespace of this store's records."""
-        return self._layout.prefix
 
     @property
     def client(self) -> redis.asyncio.Redis:
