@@ -26,6 +26,7 @@ from idemq.errors import (
     StoreUnavailableError,
 )
 from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, StoreStats
+from idemq.stores.sql_idle import IdleConnections, keep_limit
 from idemq.stores.sql_ops import Ops, Plan, Reply, ops_for
 from idemq.stores.sql_schema import DEFAULT_TABLE, build_table, collation_for, ddl
 
@@ -88,9 +89,15 @@ def _prepare_sqlite(engine: Engine) -> None:
     pysqlite's own transaction handling begins lazily and would let two writers both read, then
     deadlock upgrading to write (``database is locked``). Taking the write lock at BEGIN makes
     racing claims queue behind each other instead; it also makes SAVEPOINT work.
+
+    SQLAlchemy's recipe issues the BEGIN from a ``begin`` engine event, but any connection event
+    on an engine turns on event dispatch for every statement run on it (~10 µs each, and ~50 µs
+    per transaction for the BEGIN run through ``exec_driver_sql``). The dialect's ``do_begin``
+    hook — a no-op for pysqlite — runs at the same moment for every transaction on this engine
+    (idemq's, and the caller's own ``engine.begin()``), without it.
     """
 
-    @event.listens_for(engine, "connect")
+    @event.listens_for(engine, "connect")  # a pool event: runs once per new DBAPI connection
     def _connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
@@ -98,9 +105,16 @@ def _prepare_sqlite(engine: Engine) -> None:
         cursor.execute("PRAGMA journal_mode = WAL")
         cursor.close()
 
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    # This engine's own dialect instance (create_engine builds one per engine).
+    engine.dialect.do_begin = _begin_immediate  # type: ignore[method-assign,assignment]
+
+
+def _begin_immediate(dbapi_conn: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute("BEGIN IMMEDIATE")
+    finally:
+        cursor.close()
 
 
 class _SqlBase:
@@ -145,13 +159,24 @@ class _SqlBase:
         )
 
 
+def _reusable(conn: Connection | None, engine: Engine) -> bool:
+    """Closed, invalidated, in a transaction, or with execution options of its own (the handler
+    set them on ``tx``): not for the next message."""
+    return (
+        conn is not None
+        and not conn.closed
+        and not conn.invalidated
+        and not conn.in_transaction()
+        and conn.get_execution_options() == engine.get_execution_options()
+    )
+
+
 def _run(conn: Connection, plan: Plan) -> Any:
     """Run a plan on the DBAPI cursor of ``conn``, inside its current transaction.
 
     idemq's own statements skip SQLAlchemy's execution and result machinery: on the per-message
     path it cost more CPU than the database round trip (see bench/sql_guard.py). Driver errors
-    are wrapped exactly as SQLAlchemy would (and a dead connection invalidated) so
-    :func:`translate_errors` sees one kind of error.
+    go through SQLAlchemy's own error handling, so :func:`translate_errors` sees one kind.
     """
     dbapi_conn = conn.connection.dbapi_connection
     cursor = dbapi_conn.cursor()  # type: ignore[union-attr]
@@ -167,18 +192,10 @@ def _run(conn: Connection, plan: Plan) -> Any:
     except StopIteration as stop:
         return stop.value
     except conn.dialect.loaded_dbapi.Error as exc:
-        dialect = conn.dialect
-        invalidated = dialect.is_disconnect(exc, dbapi_conn, cursor)
-        if invalidated:
-            conn.invalidate(exc)
-        raise DBAPIError.instance(
-            sql,
-            params,
-            exc,
-            dialect.loaded_dbapi.Error,
-            connection_invalidated=invalidated,
-            dialect=dialect,
-        ) from exc
+        # SQLAlchemy's own handling, as for its own statements: the error wrapped, ``handle_error``
+        # hooks run, and on a disconnect this connection and the pool's older ones invalidated
+        # (a restarted server killed them all; each is replaced at its next checkout).
+        conn._handle_dbapi_exception(exc, sql, params, cursor, None)
     finally:
         cursor.close()
 
@@ -222,6 +239,7 @@ class SqlStore(_SqlBase):
             if self.engine.dialect.name == "sqlite":
                 _prepare_sqlite(self.engine)
         super().__init__(self.engine.url, table, schema, self.engine.dialect, mysql_flavor)
+        self._idle: IdleConnections[Connection] = IdleConnections(keep_limit(self.engine.pool))
 
     # -- schema ------------------------------------------------------------------------------
 
@@ -244,7 +262,7 @@ class SqlStore(_SqlBase):
 
     def _short(self, plan: str, *args: Any, what: str) -> Any:
         """One primitive in its own short transaction (lease mode and inspection)."""
-        with translate_errors(f"{what} on {self.where}"), self.engine.begin() as conn:
+        with translate_errors(f"{what} on {self.where}"), self.transaction() as conn:
             return _run(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
     @contextmanager
@@ -258,24 +276,44 @@ class SqlStore(_SqlBase):
             with self._join(connection) as conn:
                 yield conn
             return
+        conn = self._checkout()
         with translate_errors(f"begin on {self.where}"):
-            conn = self.engine.connect()
             try:
                 trans = conn.begin()
             except BaseException:
-                conn.close()
+                self._checkin(conn, clean=False)
                 raise
+        clean = False
         try:
             yield conn
         except BaseException:
             with translate_errors(f"rollback on {self.where}"):
                 trans.rollback()
+            clean = True
             raise
         else:
             with translate_errors(f"commit on {self.where}"):
                 trans.commit()
+            clean = True
         finally:
-            conn.close()
+            self._checkin(conn, clean=clean)
+
+    def _checkout(self) -> Connection:
+        conn = self._idle.take()
+        if conn is None:
+            with translate_errors(f"connect on {self.where}"):
+                conn = self.engine.connect()
+        return conn
+
+    def _checkin(self, conn: Connection, *, clean: bool) -> None:
+        """Keep ``conn`` for the next transaction if it is as idemq found it, else close it."""
+        if clean and _reusable(conn, self.engine) and self._idle.keep(conn):
+            return
+        invalidated = conn.invalidated
+        conn.close()
+        if invalidated:  # a disconnect: the kept ones are likely dead too
+            for idle in self._idle.drain():
+                idle.close()
 
     @contextmanager
     def _join(self, connection: Any) -> Iterator[Connection]:
@@ -374,6 +412,8 @@ class SqlStore(_SqlBase):
         return self._short("force_release", key, what="force_release")  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        for conn in self._idle.drain():
+            conn.close()
         self.engine.dispose()
 
 
@@ -409,6 +449,9 @@ class AsyncSqlStore(_SqlBase):
             if self.engine.dialect.name == "sqlite":
                 _prepare_sqlite(self.engine.sync_engine)
         super().__init__(self.engine.url, table, schema, self.engine.dialect, mysql_flavor)
+        self._idle: IdleConnections[AsyncConnection] = IdleConnections(
+            keep_limit(self.engine.sync_engine.pool)
+        )
 
     async def create_schema(self) -> None:
         with translate_errors(f"create_schema on {self.where}"):
@@ -428,7 +471,7 @@ class AsyncSqlStore(_SqlBase):
 
     async def _short(self, plan: str, *args: Any, what: str) -> Any:
         with translate_errors(f"{what} on {self.where}"):
-            async with self.engine.begin() as conn:
+            async with self.transaction() as conn:
                 return await _arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
     @asynccontextmanager
@@ -443,24 +486,45 @@ class AsyncSqlStore(_SqlBase):
             async with ctx:
                 yield connection
             return
+        conn = await self._checkout()
         with translate_errors(f"begin on {self.where}"):
-            conn = await self.engine.connect()
             try:
                 trans = await conn.begin()
             except BaseException:
-                await conn.close()
+                await self._checkin(conn, clean=False)
                 raise
+        clean = False
         try:
             yield conn
         except BaseException:
             with translate_errors(f"rollback on {self.where}"):
                 await trans.rollback()
+            clean = True
             raise
         else:
             with translate_errors(f"commit on {self.where}"):
                 await trans.commit()
+            clean = True
         finally:
-            await conn.close()
+            await self._checkin(conn, clean=clean)
+
+    async def _checkout(self) -> AsyncConnection:
+        conn = self._idle.take()
+        if conn is None:
+            with translate_errors(f"connect on {self.where}"):
+                conn = await self.engine.connect()
+        return conn
+
+    async def _checkin(self, conn: AsyncConnection, *, clean: bool) -> None:
+        """See :meth:`SqlStore._checkin`."""
+        sync_engine = self.engine.sync_engine
+        if clean and _reusable(conn.sync_connection, sync_engine) and self._idle.keep(conn):
+            return
+        invalidated = conn.invalidated
+        await conn.close()
+        if invalidated:
+            for idle in self._idle.drain():
+                await idle.close()
 
     @asynccontextmanager
     async def savepoint(self, tx: AsyncConnection) -> AsyncIterator[AsyncConnection]:
@@ -538,4 +602,6 @@ class AsyncSqlStore(_SqlBase):
         return await self._short("force_release", key, what="force_release")  # type: ignore[no-any-return]
 
     async def close(self) -> None:
+        for conn in self._idle.drain():
+            await conn.close()
         await self.engine.dispose()
