@@ -6,7 +6,9 @@ round trip and commits their effects together. This module feeds it from a broke
 
     broker ─ N deliveries (or T ms, or idle) ─► guard.process_batch ─ COMMIT ─► decide() ─► settle
 
-* A delivery is settled only **after** its batch committed, and by its **own** outcome:
+* A delivery is settled only **after** its batch committed, and by its **own** outcome, the
+  whole batch in one call (``Worker.settle_many``: one ``XACK``, or one hop to an async
+  client's loop for all its acks):
   PROCESSED/DUPLICATE → ack, IN_PROGRESS → retry later, FAILED → ``classify(outcome.error)``
   (a poison message is retried, then dead-lettered, while the rest of its batch is acked).
 * If the batch itself fails (store down, commit refused), nothing of it committed: every
@@ -23,10 +25,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from idemq._executors import executor
 from idemq.brokers.base import Delivery, Verdict, classify
 from idemq.core import Status
 from idemq.errors import ConfigurationError
@@ -38,11 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["BatchGuard", "BatchSettings", "BatchWorkerLoop", "collect", "verdict_of"]
 
 log = logging.getLogger("idemq.worker")
-
-# Settling is a round trip to the broker client (for the async clients, a hop to their loop
-# thread and back): one at a time it cost as much as the whole batch's SQL, so a batch's
-# deliveries are settled in parallel — every one of them only after the commit.
-SETTLE_THREADS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +118,6 @@ class BatchWorkerLoop:
         self.worker = worker
         self.settings = settings
         self.guard: BatchGuard = guard  # type: ignore[assignment]
-        self._settler: ThreadPoolExecutor | None = None
 
     @property
     def slots(self) -> int:
@@ -130,36 +126,21 @@ class BatchWorkerLoop:
 
     def run(self, deliveries: Iterator[Delivery | None], slots: threading.Semaphore) -> None:
         """Consume until the stream ends; every batch handed out is settled before returning."""
-        worker = self.worker
         # One batch per thread; a thread gives its slots back once its batch is settled.
-        with (
-            ThreadPoolExecutor(SETTLE_THREADS, thread_name_prefix="idemq-settle") as settler,
-            ThreadPoolExecutor(worker.concurrency, thread_name_prefix="idemq-batch") as pool,
-        ):
-            self._settler = settler
-            for batch in collect(_announce_ready(deliveries, worker.description), self.settings):
+        with executor(self.worker.concurrency, "idemq-batch") as pool:
+            for batch in collect(deliveries, self.settings):
                 pool.submit(self._handle_in_slots, batch, slots)
 
     def handle(self, batch: Sequence[Delivery]) -> list[Verdict]:
-        """Run ``batch`` through ``guard.process_batch``, then settle each delivery."""
-        worker = self.worker
-        results: list[tuple[Verdict, str] | None] = [None] * len(batch)
-        messages: list[Message] = []
-        positions: list[int] = []
-        for i, delivery in enumerate(batch):
-            if delivery.message is None:
-                results[i] = (Verdict.INVALID_MESSAGE, delivery.decode_error or "undecodable")
-            else:
-                messages.append(delivery.message)
-                positions.append(i)
-        if messages:
-            for i, judged in zip(positions, self._judge(messages), strict=True):
-                results[i] = judged
-
-        def settle(item: tuple[Delivery, tuple[Verdict, str] | None]) -> Verdict:
-            delivery, result = item
-            assert result is not None
-            verdict, detail = result
+        """Run ``batch`` through ``guard.process_batch``, then settle its deliveries together."""
+        results = [(Verdict.INVALID_MESSAGE, d.decode_error or "undecodable") for d in batch]
+        decoded = [(i, d.message) for i, d in enumerate(batch) if d.message is not None]
+        if decoded:
+            outcomes = self._judge([message for _, message in decoded])
+            for (i, _), result in zip(decoded, outcomes, strict=True):
+                results[i] = result
+        judged = []
+        for delivery, (verdict, detail) in zip(batch, results, strict=True):
             if verdict is Verdict.HANDLER_ERROR:
                 log.warning(
                     "handler failed on %s (attempt %d): %s",
@@ -167,12 +148,8 @@ class BatchWorkerLoop:
                     delivery.delivery_attempt,
                     detail,
                 )
-            return worker.settle(delivery, verdict, detail)
-
-        items = list(zip(batch, results, strict=True))
-        if self._settler is None or len(items) == 1:
-            return [settle(item) for item in items]
-        return list(self._settler.map(settle, items))
+            judged.append((delivery, verdict, detail))
+        return self.worker.settle_many(judged)
 
     def _judge(self, messages: list[Message]) -> list[tuple[Verdict, str]]:
         try:
@@ -192,15 +169,3 @@ class BatchWorkerLoop:
         finally:
             for _ in batch:
                 slots.release()
-
-
-def _announce_ready(
-    deliveries: Iterator[Delivery | None], description: str
-) -> Iterator[Delivery | None]:
-    """Log the readiness line once the broker answered (its first item, idle or not)."""
-    first = True
-    for delivery in deliveries:
-        if first:
-            first = False
-            log.info("idemq worker ready: %s", description)
-        yield delivery

@@ -8,25 +8,32 @@ Lifecycle of one delivery::
     broker ──Delivery──► guard.process(msg.id, handler) ──Outcome/exception──► decide() ──► settle
 
 A slot of the pool is taken *before* the next delivery is pulled, so the worker never holds a
-message it has no thread for (it would sit invisible until a timeout). SIGTERM/SIGINT stop the
+message it has no thread for (it would sit invisible until a timeout). With one thread (the
+default) the handler runs in the consuming thread itself (:mod:`idemq._executors`).
+
+Settling does not wait for the broker where its client queues acks (RabbitMQ, NATS): a failed
+ack is reported later through its future, logged and counted in ``stats.settle_failures``, and
+``broker.close()`` sends what is still queued. SIGTERM/SIGINT stop the
 pulling, let in-flight handlers finish and settle, then close the broker: nothing in flight is
 lost or acked early.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import signal
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
 import idemq
+from idemq._executors import executor
 from idemq.batching import BatchSettings, BatchWorkerLoop
 from idemq.brokers import open_broker
 from idemq.brokers.base import (
@@ -34,10 +41,12 @@ from idemq.brokers.base import (
     DeadLetter,
     Delivery,
     RetryPolicy,
+    Settlement,
     Verdict,
     classify,
     decide,
     mask_url,
+    settle_all,
 )
 from idemq.errors import BrokerError, ConfigurationError
 from idemq.message import Message
@@ -176,7 +185,7 @@ class Worker:
             return self.stats
         slots = threading.Semaphore(self.concurrency)
         try:
-            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="idemq-worker") as pool:
+            with executor(self.concurrency, "idemq-worker") as pool:
                 for delivery in self._deliveries(slots):
                     if delivery is None:
                         continue
@@ -194,6 +203,25 @@ class Worker:
 
     def settle(self, delivery: Delivery, verdict: Verdict, detail: str = "") -> Verdict:
         """Settle ``delivery`` as :func:`decide` says for ``verdict``; count it."""
+        return self.settle_many([(delivery, verdict, detail)])[0]
+
+    def settle_many(self, judged: Sequence[tuple[Delivery, Verdict, str]]) -> list[Verdict]:
+        """Settle each ``(delivery, verdict, detail)`` as :func:`decide` says, all in one go
+        (the adapter may group them: one ``XACK`` for a batch); count them."""
+        pairs = [
+            (delivery, self._decide(delivery, verdict, detail))
+            for delivery, verdict, detail in judged
+        ]
+        for (delivery, settlement), future in zip(pairs, settle_all(pairs), strict=True):
+            future.add_done_callback(functools.partial(self._settled, delivery, settlement))
+        verdicts = [verdict for _, verdict, _ in judged]
+        with self._stats_lock:
+            self.stats.verdicts.update(verdicts)
+        return verdicts
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _decide(self, delivery: Delivery, verdict: Verdict, detail: str) -> Settlement:
         settlement = decide(verdict, delivery.delivery_attempt, self.policy, detail)
         if isinstance(settlement, DeadLetter):
             log.warning("dead-lettering %s: %s", delivery.describe(), settlement.reason)
@@ -201,19 +229,18 @@ class Worker:
                 message_id = delivery.message.id if delivery.message is not None else "?"
                 consumer = getattr(self.guard, "consumer", self.queue)
                 self.observer.dead_lettered(consumer, message_id, settlement.reason)
-        try:
-            delivery.settle(settlement)
-        except BrokerError:
-            # The broker did not take the settlement; it still holds the message unacked and
-            # will redeliver it, and the guard turns the redelivery into a DUPLICATE.
-            log.exception("settling %s as %s failed", delivery.describe(), settlement)
-            with self._stats_lock:
-                self.stats.settle_failures += 1
-        with self._stats_lock:
-            self.stats.verdicts[verdict] += 1
-        return verdict
+        return settlement
 
-    # -- internals ---------------------------------------------------------------------------
+    def _settled(self, delivery: Delivery, settlement: Settlement, future: Future[None]) -> None:
+        """Done-callback of a settlement (maybe on the broker client's thread)."""
+        error = future.exception()
+        if error is None:
+            return
+        # The broker did not take the settlement; it still holds the message unacked and will
+        # redeliver it, and the guard turns the redelivery into a DUPLICATE.
+        log.error("settling %s as %s failed", delivery.describe(), settlement, exc_info=error)
+        with self._stats_lock:
+            self.stats.settle_failures += 1
 
     def _verdict(self, delivery: Delivery) -> tuple[Verdict, str]:
         message = delivery.message

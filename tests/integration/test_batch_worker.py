@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,26 +54,28 @@ def publisher(broker_url: str, queue: str) -> Iterator[Broker]:
 
 
 class AckAudit:
-    """Wraps ``Worker.settle``: at every ack, the message's effect must already be committed."""
+    """Wraps ``Worker.settle_many``: at every ack, the effect must already be committed."""
 
     def __init__(self, worker: Worker, business: Business) -> None:
         self.business = business
         self.acked_before_commit: list[str] = []
         self.settled: Counter[Verdict] = Counter()
         self._lock = threading.Lock()
-        self._settle = worker.settle
-        worker.settle = self.settle  # type: ignore[method-assign]
+        self._settle_many = worker.settle_many
+        worker.settle_many = self.settle_many  # type: ignore[method-assign]
 
-    def settle(self, delivery: Delivery, verdict: Verdict, detail: str = "") -> Verdict:
-        if verdict is Verdict.PROCESSED:
-            assert delivery.message is not None
-            # Read through another connection: only committed rows are visible there.
-            if self.business.counts()[delivery.message.id] != 1:
-                with self._lock:
-                    self.acked_before_commit.append(delivery.message.id)
-        with self._lock:
-            self.settled[verdict] += 1
-        return self._settle(delivery, verdict, detail)
+    def settle_many(self, judged: Sequence[tuple[Delivery, Verdict, str]]) -> list[Verdict]:
+        # Read through another connection: only committed rows are visible there.
+        committed = self.business.counts()
+        for delivery, verdict, _ in judged:
+            if verdict is Verdict.PROCESSED:
+                assert delivery.message is not None
+                if committed[delivery.message.id] != 1:
+                    with self._lock:
+                        self.acked_before_commit.append(delivery.message.id)
+            with self._lock:
+                self.settled[verdict] += 1
+        return self._settle_many(judged)
 
 
 def batch_worker(broker_url: str, queue: str, business: Business, guards: list[Any]) -> Worker:

@@ -10,6 +10,11 @@ shape). The worker runs the guard and then settles each delivery exactly once, a
 * handler error                    → retry with exponential backoff, dead-letter at max_attempts
 * invalid id / body, payload clash → dead-letter at once (retrying cannot help; it would block)
 * store unavailable                → retry later, never dead-letter (the message is fine)
+
+Settling returns a :class:`~concurrent.futures.Future`: adapters whose client lives on another
+thread (RabbitMQ, NATS) queue acks instead of waiting for each one, and report a failure through
+it. :func:`settle_all` settles many deliveries at once, so an adapter can group them (Redis
+Streams: one ``XACK`` for a whole batch); the default settles them one by one.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ from __future__ import annotations
 import abc
 import enum
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 from idemq.errors import (
     AlreadySettledError,
+    BrokerError,
     InvalidInputError,
     LeaseLostError,
     PayloadMismatchError,
@@ -49,6 +56,7 @@ __all__ = [
     "decide",
     "decode",
     "mask_url",
+    "settle_all",
 ]
 
 DEAD_LETTER_REASON_HEADER = "idemq-dead-letter-reason"
@@ -250,29 +258,39 @@ class Delivery(abc.ABC):
         """Whether ack, retry or dead_letter has been called."""
         return self._settled_as is not None
 
-    def ack(self) -> None:
-        """Acknowledge: the broker forgets the message."""
-        self._mark("ack")
-        self._ack()
+    def ack(self) -> Future[None]:
+        """Acknowledge: the broker forgets the message.
 
-    def retry(self, delay_s: float) -> None:
+        The future is done once the broker client has sent the ack — at once for most adapters;
+        later for those that queue acks (their ``close()`` sends what is queued). It carries the
+        :class:`~idemq.errors.BrokerError` when the ack failed (the broker then redelivers).
+        """
+        self._mark("ack")
+        return _future(self._ack())
+
+    def retry(self, delay_s: float) -> Future[None]:
         """Leave the message unacknowledged so the broker delivers it again after ``delay_s``."""
         self._mark("retry")
-        self._retry(max(delay_s, 0.0))
+        return _future(self._retry(max(delay_s, 0.0)))
 
-    def dead_letter(self, reason: str) -> None:
+    def dead_letter(self, reason: str) -> Future[None]:
         """Move the message to the dead-letter destination with ``reason`` in its headers."""
         self._mark("dead_letter")
-        self._dead_letter(reason)
+        return _future(self._dead_letter(reason))
 
-    def settle(self, settlement: Settlement) -> None:
-        """Apply a decision of :func:`decide`."""
+    def settle(self, settlement: Settlement) -> Future[None]:
+        """Apply a decision of :func:`decide` (see :meth:`ack` for the future)."""
         if isinstance(settlement, Ack):
-            self.ack()
-        elif isinstance(settlement, Retry):
-            self.retry(settlement.delay_s)
-        else:
-            self.dead_letter(settlement.reason)
+            return self.ack()
+        if isinstance(settlement, Retry):
+            return self.retry(settlement.delay_s)
+        return self.dead_letter(settlement.reason)
+
+    @classmethod
+    def settle_group(cls, pairs: Sequence[tuple[Delivery, Settlement]]) -> list[Future[None]]:
+        """Settle deliveries of this class; an adapter overrides this to group them into fewer
+        round trips. A failure fails only its own future, the others are still settled."""
+        return [_attempt(delivery, settlement) for delivery, settlement in pairs]
 
     def _mark(self, how: str) -> None:
         with self._lock:
@@ -286,14 +304,52 @@ class Delivery(abc.ABC):
         """A short label for logs: the message id or the decode error."""
         return repr(self.message.id) if self.message else f"<undecodable: {self.decode_error}>"
 
-    @abc.abstractmethod
-    def _ack(self) -> None: ...
+    # Each returns None when done, or a future when the adapter finishes it later.
 
     @abc.abstractmethod
-    def _retry(self, delay_s: float) -> None: ...
+    def _ack(self) -> Future[None] | None: ...
 
     @abc.abstractmethod
-    def _dead_letter(self, reason: str) -> None: ...
+    def _retry(self, delay_s: float) -> Future[None] | None: ...
+
+    @abc.abstractmethod
+    def _dead_letter(self, reason: str) -> Future[None] | None: ...
+
+
+def settle_all(pairs: Sequence[tuple[Delivery, Settlement]]) -> list[Future[None]]:
+    """Settle each delivery as paired, grouped per adapter (:meth:`Delivery.settle_group`);
+    one future per pair, in order. Broker errors land in the futures, never raised."""
+    futures: list[Future[None]] = [_DONE] * len(pairs)
+    groups: dict[type[Delivery], list[int]] = {}
+    for i, (delivery, _) in enumerate(pairs):
+        groups.setdefault(type(delivery), []).append(i)
+    for kind, positions in groups.items():
+        settled = kind.settle_group([pairs[i] for i in positions])
+        for i, future in zip(positions, settled, strict=True):
+            futures[i] = future
+    return futures
+
+
+def _failed(error: BaseException) -> Future[None]:
+    """A future that already holds ``error``."""
+    future: Future[None] = Future()
+    future.set_exception(error)
+    return future
+
+
+def _attempt(delivery: Delivery, settlement: Settlement) -> Future[None]:
+    try:
+        return delivery.settle(settlement)
+    except BrokerError as exc:
+        return _failed(exc)
+
+
+def _future(pending: Future[None] | None) -> Future[None]:
+    return _DONE if pending is None else pending
+
+
+_DONE: Future[None] = Future()
+_DONE.set_result(None)  # shared: a done future is never changed again
 
 
 @runtime_checkable

@@ -6,8 +6,12 @@
 * Consumers share one durable pull consumer (``group``) with explicit acks and ``ack_wait``:
   a consumer that dies without acking gets its messages redelivered after AckWait; the server's
   ``num_delivered`` is ``delivery_attempt``.
-* Retry after a delay = ``NAK`` with a delay (server-side timer). Ack = double ack (``ack_sync``):
-  we wait for the server to confirm, so an ack lost in transit is not mistaken for done.
+* Retry after a delay = ``NAK`` with a delay (server-side timer). Ack = plain ``+ACK``, queued to
+  the loop thread (:class:`~._aioloop.Settler`) with the others of its burst, then one
+  ``flush()`` (PING/PONG): the PONG proves the server received every ack written before it, and a
+  broken connection fails the whole burst, counted as settle failures. Not ``ack_sync`` (a
+  request/reply per message): its reply adds no safety — an ack lost anyway means a redelivery
+  after AckWait, which the guard answers with DUPLICATE — and costs a round trip per message.
 * Dead letter = publish to ``<queue>.dlq`` (stream ``<queue>_dlq``) with the reason headers,
   then ``TERM`` the message: JetStream stops redelivering it and emits its
   ``MSG_TERMINATED`` advisory. ``max_deliver`` is unlimited by default (``?max_deliver=N`` sets
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from concurrent.futures import Future
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
@@ -28,7 +33,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
 
-from idemq.brokers._aioloop import LoopThread
+from idemq.brokers._aioloop import LoopThread, Settler
 from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
@@ -69,6 +74,7 @@ class NatsBroker:
             self._loop.stop()
             raise
         self._js = self._nc.jetstream(timeout=timeout_s)
+        self._settler = Settler(self._loop, "NATS", confirm=lambda: self._nc.flush(timeout_s))
 
     @classmethod
     def from_url(cls, url: str) -> NatsBroker:
@@ -181,8 +187,10 @@ class NatsBroker:
         return NatsDelivery(self, received, message)
 
     def close(self) -> None:
-        """Drain and close the connection; unacked messages come back after AckWait."""
+        """Send the queued acks, then close the connection; unacked messages come back after
+        AckWait."""
         try:
+            self._settler.drain(self.timeout_s + 5)
             self._call(self._nc.close())
         except BrokerUnavailableError:
             pass
@@ -192,8 +200,12 @@ class NatsBroker:
     # used by NatsDelivery ----------------------------------------------------------------------
 
     def settle(self, coro: Any) -> None:
-        """Run a settlement coroutine on the loop, translating driver errors."""
+        """Run a settlement coroutine on the loop and wait, translating driver errors."""
         self._call(coro)
+
+    def settle_soon(self, action: Callable[[], Awaitable[object]]) -> Future[None]:
+        """Queue a settlement on the loop (see :class:`~._aioloop.Settler`); do not wait."""
+        return self._settler.submit(action)
 
     async def publish_dead_letter(self, queue: str, body: bytes, headers: dict[str, str]) -> None:
         """Publish to ``<queue>.dlq`` and wait for the PubAck (runs on the loop)."""
@@ -208,11 +220,11 @@ class NatsDelivery(Delivery):
         self._broker = broker
         self._message = message
 
-    def _ack(self) -> None:
-        self._broker.settle(self._message.ack_sync(timeout=self._broker.timeout_s))
+    def _ack(self) -> Future[None]:
+        return self._broker.settle_soon(self._message.ack)
 
-    def _retry(self, delay_s: float) -> None:
-        self._broker.settle(self._message.nak(delay=delay_s if delay_s > 0 else None))
+    def _retry(self, delay_s: float) -> Future[None]:
+        return self._broker.settle_soon(lambda: self._message.nak(delay=delay_s or None))
 
     def _dead_letter(self, reason: str) -> None:
         headers = dead_letter_headers(

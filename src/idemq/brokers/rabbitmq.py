@@ -13,19 +13,24 @@
   without one, so a retried publish would look like a new message (``idemq.publish`` sets it).
 * Retry after a delay = keep the message unacked, nack(requeue) when the timer fires; if the
   connection drops first RabbitMQ requeues it anyway.
+* Acks (and immediate nacks) are queued to the loop thread (:class:`~._aioloop.Settler`) rather
+  than waited for one by one; AMQP has no reply to an ack anyway (the frame is written, that is
+  all a client ever knows). ``close()`` sends what is queued before closing the connection. Not
+  ``basic.ack multiple``: it would also ack the channel's earlier deliveries still in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
-from idemq.brokers._aioloop import Inbox, LoopThread
+from idemq.brokers._aioloop import Inbox, LoopThread, Settler
 from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError
 
@@ -45,6 +50,7 @@ class RabbitMQBroker:
         self.url = url
         self.confirm_timeout_s = confirm_timeout_s
         self._loop = LoopThread("idemq-amqp")
+        self._settler = Settler(self._loop, "RabbitMQ")
         self._declared: set[str] = set()
         try:
             self._connection, self._channel = self._call(self._connect())
@@ -160,8 +166,10 @@ class RabbitMQBroker:
         return RabbitMQDelivery(self, received, message)
 
     def close(self) -> None:
-        """Close the connection (unacked messages go back to their queues) and the loop."""
+        """Send the queued acks, close the connection (unacked messages go back to their
+        queues) and the loop."""
         try:
+            self._settler.drain(self.confirm_timeout_s)
             self._call(self._connection.close())
         except BrokerUnavailableError:
             pass
@@ -171,8 +179,12 @@ class RabbitMQBroker:
     # used by RabbitMQDelivery -----------------------------------------------------------------
 
     def settle(self, coro: Any) -> None:
-        """Run a settlement coroutine on the loop, translating driver errors."""
+        """Run a settlement coroutine on the loop and wait, translating driver errors."""
         self._call(coro)
+
+    def settle_soon(self, action: Callable[[], Awaitable[object]]) -> Future[None]:
+        """Queue a settlement on the loop (see :class:`~._aioloop.Settler`); do not wait."""
+        return self._settler.submit(action)
 
     def settle_later(self, delay_s: float, message: AbstractIncomingMessage) -> None:
         """nack(requeue) after ``delay_s``; the message stays unacked (invisible) until then."""
@@ -203,14 +215,14 @@ class RabbitMQDelivery(Delivery):
         self._broker = broker
         self._message = message
 
-    def _ack(self) -> None:
-        self._broker.settle(self._message.ack())
+    def _ack(self) -> Future[None]:
+        return self._broker.settle_soon(self._message.ack)
 
-    def _retry(self, delay_s: float) -> None:
+    def _retry(self, delay_s: float) -> Future[None] | None:
         if delay_s <= 0:
-            self._broker.settle(self._message.nack(requeue=True))
-        else:
-            self._broker.settle_later(delay_s, self._message)
+            return self._broker.settle_soon(lambda: self._message.nack(requeue=True))
+        self._broker.settle_later(delay_s, self._message)
+        return None
 
     def _dead_letter(self, reason: str) -> None:
         headers = dead_letter_headers(
