@@ -229,7 +229,9 @@ def cleanup(broker: str, queue: str) -> None:
     opened.delete_queue(queue)
     opened.close()
     with psycopg.connect(PG_DSN, autocommit=True) as conn:
-        conn.execute("DELETE FROM message_idempotent WHERE consumer = %s", (queue,))
+        # The dedup table exists once an idemq worker created it (a first raw run has none).
+        if conn.execute("SELECT to_regclass('message_idempotent')").fetchone() != (None,):
+            conn.execute("DELETE FROM message_idempotent WHERE consumer = %s", (queue,))
 
 
 # -- memory -----------------------------------------------------------------------------------
