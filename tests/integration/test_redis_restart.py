@@ -20,7 +20,7 @@ import redis
 
 import idemq
 from idemq.errors import StoreUnavailableError
-from idemq.stores.redis import RedisStore
+from idemq.stores.redis import AsyncRedisStore, RedisStore
 from tests.conftest import CI, port_open, unique
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -158,3 +158,34 @@ def test_restart_mid_run(
     expected = {m: 1 for m in ids} if aof else {m: 2 if m in ids[:100] else 1 for m in ids}
     assert counts == expected
     store.close()
+
+
+async def test_flushed_script_cache_is_reloaded(
+    spawn_server: Callable[[bool], RedisServer], effects: tuple[redis.Redis, str]
+) -> None:
+    # The stores send EVALSHA themselves; SCRIPT FLUSH (or a failover to a replica that never
+    # saw the scripts) must cost one SCRIPT LOAD, not a failed message — sync and async alike.
+    client, name = effects
+    server = spawn_server(False)
+    url = f"redis://127.0.0.1:{server.port}/0"
+    admin = redis.Redis(port=server.port)
+    store = RedisStore(url)
+    astore = AsyncRedisStore(url)
+    guard = idemq.Idempotency(store, consumer="flush", mode="lease", lease_s=30)
+    aguard = idemq.AsyncIdempotency(astore, consumer="aflush", mode="lease", lease_s=30)
+
+    async def ahandler(tx: object) -> int:
+        return int(client.hincrby(name, "async", 1))
+
+    for round_ in range(2):
+        admin.script_flush()
+        assert run(guard, client, name, f"m{round_}") == "processed"
+        assert run(guard, client, name, f"m{round_}") == "duplicate"
+        admin.script_flush()
+        assert (await aguard.process(f"a{round_}", ahandler)).status is idemq.Status.PROCESSED
+        assert (await aguard.process(f"a{round_}", ahandler)).status is idemq.Status.DUPLICATE
+    counts = {k.decode(): int(v) for k, v in client.hgetall(name).items()}
+    assert counts == {"m0": 1, "m1": 1, "async": 2}
+    store.close()
+    await astore.close()
+    admin.close()

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -23,6 +24,7 @@ import idemq
 from idemq.core import system_clock_ms
 from idemq.errors import (
     ConfigurationError,
+    InvalidInputError,
     LeaseLostError,
     PayloadMismatchError,
     StoreError,
@@ -30,6 +32,7 @@ from idemq.errors import (
 )
 from idemq.stores.base import AsyncStore, ClaimRequest, Key, RecordStatus, Store
 from idemq.stores.redis import AsyncRedisStore, RedisStore
+from idemq.stores.redis_ops import Layout
 from tests.conftest import REDIS_URL, port_open, unique
 
 pytestmark = pytest.mark.redis
@@ -336,6 +339,64 @@ def test_foreign_key_under_the_prefix_is_a_store_error(
     with pytest.raises(StoreError) as info:
         store.claim(req("m1", "A"))
     assert isinstance(info.value.__cause__, redis.ResponseError)
+
+
+def test_malformed_record_is_a_store_error(
+    store: RedisStore, client: redis.Redis, prefix: str
+) -> None:
+    client.hset(store._layout.key(Key(C, "m1")), mapping={"s": "7", "o": "X"})
+    with pytest.raises(StoreError, match="malformed"):
+        store.claim(req("m1", "A"))
+    assert client.hget(store._layout.key(Key(C, "m1")), "s") == b"7"  # untouched
+
+
+@pytest.mark.parametrize(
+    "message_id", ["".join(map(chr, range(1, 128))), "ORDER_1", "a:b/c d", "é€\U0001f680:}"]
+)
+def test_keys_are_the_percent_encoding_of_consumer_and_id(message_id: str) -> None:
+    # Records written before the regex fast path must stay reachable: same key, byte
+    # for byte, as quote(safe="") of both parts.
+    layout = Layout.build("p", 60)
+    expected = f"p:{{{quote('c:1', safe='')}:{quote(message_id, safe='')}}}"
+    assert layout.key(Key("c:1", message_id)) == expected
+    assert layout.parse_key(expected) == Key("c:1", message_id)
+
+
+def test_conflict_reply_carries_every_field_and_a_result_with_separators(
+    store: RedisStore,
+) -> None:
+    result = '"a\x00b\\0c\x00"'  # NUL is the reply's field separator: the result is last, whole
+    first = req("m1", "A", business_id="order_1", payload_hash="ab" * 32)
+    assert store.claim(first).acquired
+    store.complete(first.key, "A", result, NOW_MS + 5)
+    claim = store.claim(req("m1", "B", payload_hash="ab" * 32))
+    record = claim.record
+    assert not claim.acquired
+    assert record is not None
+    assert (record.status, record.result, record.owner) == (RecordStatus.PROCESSED, result, "A")
+    assert (record.business_id, record.payload_hash, record.attempts) == ("order_1", "ab" * 32, 1)
+    assert record.lease_until_ms is None
+    assert record.created_time is not None
+    assert record.processed_time is not None
+    assert record.processed_time - record.created_time == timedelta(milliseconds=5)
+    live = store.claim(req("m2", "A", lease_ms=1000))
+    assert live.acquired
+    held = store.claim(req("m2", "B")).record
+    assert held is not None
+    assert (held.status, held.owner, held.lease_until_ms) == (
+        RecordStatus.PROCESSING,
+        "A",
+        NOW_MS + 1000,
+    )
+    assert (held.result, held.business_id, held.payload_hash) == (None, None, None)
+
+
+def test_nul_in_owner_or_business_id_is_refused_before_writing(store: RedisStore) -> None:
+    with pytest.raises(InvalidInputError):
+        store.claim(req("m1", "A\x00B"))
+    with pytest.raises(InvalidInputError):
+        store.claim(req("m1", "A", business_id="b\x00"))
+    assert store.get("m1", C) is None
 
 
 def _race_worker(store: RedisStore, guard_args: dict[str, Any], ids: list[str], effects: str):

@@ -16,7 +16,9 @@ the fake-clock contract tests run unchanged on SQL and Redis. Across hosts that 
 as good as the workers' clock agreement: keep ``lease_s`` well above the expected skew.
 
 Both classes are thin shells: the scripts live in :mod:`.redis_scripts`, the operations (key
-layout, arguments, reply parsing, SCAN loops) in :mod:`.redis_ops`; a shell only executes.
+layout, arguments, reply parsing, SCAN loops) in :mod:`.redis_ops`; a shell only executes. It
+sends EVALSHA itself (the script's SHA-1 is known up front) and loads a script only when the
+server answers NOSCRIPT — after a restart, a ``SCRIPT FLUSH`` or a failover.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ from idemq.stores.redis_io import (
     check_url,
     describe_server,
     drive,
+    evalsha_argv,
     redact_url,
     translate_error,
 )
-from idemq.stores.redis_scripts import ALL_SCRIPTS
 
 __all__ = ["DEFAULT_TTL_S", "AsyncRedisStore", "RedisStore"]
 
@@ -131,19 +133,28 @@ class RedisStore(_RedisStoreBase):
             client_or_url, redis.Redis, ttl_s, prefix, clock, socket_timeout_s
         )
         self._command: Any = self._client.execute_command  # untyped in redis-py
-        # register_script only hashes the source: the first EVALSHA loads it (and reloads it
-        # after a restart wiped the server's script cache).
-        self._scripts = {s.name: self._client.register_script(s.source) for s in ALL_SCRIPTS}
 
     @property
     def client(self) -> redis.Redis:
         """The underlying redis-py client (for tests and ops)."""
         return self._client
 
-    def _execute(self, step: Step) -> Any:
+    def _run(self, call: RunScript) -> Any:
+        """One script call: EVALSHA, and on NOSCRIPT load the script and send it again."""
+        argv = evalsha_argv(call)
         try:
-            if isinstance(step, RunScript):
-                return self._scripts[step.script.name](keys=step.keys, args=step.args)
+            try:
+                return self._command(*argv)
+            except rx.NoScriptError:
+                self._client.script_load(call.script.source)
+                return self._command(*argv)
+        except rx.RedisError as exc:
+            raise translate_error(exc, call.script.name, self._server) from exc
+
+    def _execute(self, step: Step) -> Any:
+        if isinstance(step, RunScript):
+            return self._run(step)
+        try:
             if isinstance(step, Call):
                 return self._command(*step.args)
             if isinstance(step, Batch):
@@ -157,19 +168,23 @@ class RedisStore(_RedisStoreBase):
 
     def claim(self, request: ClaimRequest) -> Claim:
         """Claim one message (one round trip); see the module docstring for the outcomes."""
-        return drive(ops.claim(self._layout, request), self._execute)
+        return ops.claim_result(request.key, self._run(ops.claim_call(self._layout, request)))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim a batch in one Lua call; the answers come back in order."""
-        return drive(ops.claim_many(self._layout, requests), self._execute)
+        if not requests:
+            return []
+        replies = self._run(ops.claim_many_call(self._layout, requests))
+        return ops.claim_many_result(requests, replies)
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
         """PROCESSING → PROCESSED; raises :class:`~idemq.LeaseLostError` if ``owner`` lost it."""
-        drive(ops.complete(self._layout, key, owner, result, now_ms), self._execute)
+        reply = self._run(ops.complete_call(self._layout, key, owner, result, now_ms))
+        ops.complete_result(key, reply)
 
     def release(self, key: Key, owner: str) -> None:
         """Delete ``owner``'s PROCESSING record so the message can be retried; else no-op."""
-        drive(ops.release(self._layout, key, owner), self._execute)
+        self._run(ops.release_call(self._layout, key, owner))
 
     def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
         """The record of ``message_id`` for ``consumer``, or ``None``."""
@@ -223,17 +238,28 @@ class AsyncRedisStore(_RedisStoreBase):
             client_or_url, redis.asyncio.Redis, ttl_s, prefix, clock, socket_timeout_s
         )
         self._command: Any = self._client.execute_command  # untyped in redis-py
-        self._scripts = {s.name: self._client.register_script(s.source) for s in ALL_SCRIPTS}
 
     @property
     def client(self) -> redis.asyncio.Redis:
         """The underlying redis-py asyncio client (for tests and ops)."""
         return self._client
 
-    async def _execute(self, step: Step) -> Any:
+    async def _run(self, call: RunScript) -> Any:
+        """See :meth:`RedisStore._run`."""
+        argv = evalsha_argv(call)
         try:
-            if isinstance(step, RunScript):
-                return await self._scripts[step.script.name](keys=step.keys, args=step.args)
+            try:
+                return await self._command(*argv)
+            except rx.NoScriptError:
+                await self._client.script_load(call.script.source)
+                return await self._command(*argv)
+        except rx.RedisError as exc:
+            raise translate_error(exc, call.script.name, self._server) from exc
+
+    async def _execute(self, step: Step) -> Any:
+        if isinstance(step, RunScript):
+            return await self._run(step)
+        try:
             if isinstance(step, Call):
                 return await self._command(*step.args)
             if isinstance(step, Batch):
@@ -248,19 +274,24 @@ class AsyncRedisStore(_RedisStoreBase):
 
     async def claim(self, request: ClaimRequest) -> Claim:
         """See :meth:`RedisStore.claim`."""
-        return await adrive(ops.claim(self._layout, request), self._execute)
+        reply = await self._run(ops.claim_call(self._layout, request))
+        return ops.claim_result(request.key, reply)
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """See :meth:`RedisStore.claim_many`."""
-        return await adrive(ops.claim_many(self._layout, requests), self._execute)
+        if not requests:
+            return []
+        replies = await self._run(ops.claim_many_call(self._layout, requests))
+        return ops.claim_many_result(requests, replies)
 
     async def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
         """See :meth:`RedisStore.complete`."""
-        await adrive(ops.complete(self._layout, key, owner, result, now_ms), self._execute)
+        reply = await self._run(ops.complete_call(self._layout, key, owner, result, now_ms))
+        ops.complete_result(key, reply)
 
     async def release(self, key: Key, owner: str) -> None:
         """See :meth:`RedisStore.release`."""
-        await adrive(ops.release(self._layout, key, owner), self._execute)
+        await self._run(ops.release_call(self._layout, key, owner))
 
     async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
         """See :meth:`RedisStore.get`."""
@@ -303,8 +334,6 @@ def _cutoff_ms(now: Clock | int, older_than: timedelta) -> int:
 
 
 def _action(step: Step) -> str:
-    if isinstance(step, RunScript):
-        return step.script.name
     if isinstance(step, Call):
         return str(step.args[0])
     if isinstance(step, Batch):

@@ -7,19 +7,24 @@ raw ``*``/``?``/``[`` would turn :meth:`find`'s SCAN pattern into a wildcard tha
 purge that deletes) other messages' records. After encoding, a key part holds only
 ``[A-Za-z0-9_.~-]`` and ``%XX``, so it is exact, reversible and glob-inert; patterns are
 glob-escaped anyway as a second line of defence.
+
+Two shapes of operation. The store protocol's primitives — claim, claim_many, complete,
+release — are one script call each and run once per message, so they are plain functions: one
+builds the :class:`RunScript`, one reads its reply, and the shells call the two around their
+EVALSHA. The operator's tools (find, stats, purge …) take several round trips (SCAN loops) and
+are generators of steps, run by :func:`~idemq.stores.redis_io.drive`/``adrive``.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote, unquote
 
-from idemq.errors import ConfigurationError, LeaseLostError, StoreError
+from idemq.errors import ConfigurationError, InvalidInputError, LeaseLostError, StoreError
 from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus, StoreStats
 from idemq.stores.redis_io import Batch, Call, Op, RunScript, text
 from idemq.stores.redis_scripts import (
@@ -34,9 +39,12 @@ from idemq.stores.redis_scripts import (
 
 __all__ = [
     "Layout",
-    "claim",
-    "claim_many",
-    "complete",
+    "claim_call",
+    "claim_many_call",
+    "claim_many_result",
+    "claim_result",
+    "complete_call",
+    "complete_result",
     "find",
     "force_release",
     "get",
@@ -44,7 +52,7 @@ __all__ = [
     "in_progress",
     "parse_record",
     "purge",
-    "release",
+    "release_call",
     "stats",
 ]
 
@@ -60,14 +68,20 @@ def glob_escape(value: str) -> str:
     return "".join("\\" + ch if ch in _GLOB_SPECIALS else ch for ch in value)
 
 
-_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]*\Z")
+_RESERVED_ASCII = re.compile(r"[^A-Za-z0-9_.~-]")
+"""What ``quote(safe="")`` escapes in an ASCII string (its safe set is exactly the complement)."""
+
+
+def _percent(match: re.Match[str]) -> str:
+    return f"%{ord(match[0]):02X}"
 
 
 def _encode_part(value: str) -> str:
-    # Typical ids (ORDER_20240115143000123_NODE01_0001) are already unreserved: quote() would
-    # return them unchanged, at a measurable cost per claim.
-    if _UNRESERVED.match(value):
-        return value
+    # The common case, an ASCII id, is one regex pass: typical ids (ORDER_…_NODE01_0001) have
+    # nothing to escape, and a few ":" or spaces cost a callback each rather than quote()'s
+    # byte-by-byte loop. Both give exactly what quote() gives, so every record keeps its key.
+    if value.isascii():
+        return _RESERVED_ASCII.sub(_percent, value)
     # safe="" also escapes "/", leaving only unreserved characters: no glob, brace or colon.
     return quote(value, safe="", encoding="utf-8", errors="surrogatepass")
 
@@ -82,6 +96,9 @@ class Layout:
 
     prefix: str
     ttl_ms: int
+    # consumer → "<prefix>:{<encoded consumer>:": a guard has one consumer, so a claim's key is
+    # this head, the encoded id and "}" (consumers are configuration: the dict stays small).
+    _heads: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, prefix: str, ttl_s: float) -> Layout:
@@ -93,7 +110,10 @@ class Layout:
         return cls(prefix, round(ttl_s * 1000))
 
     def key(self, key: Key) -> str:
-        return f"{self.prefix}:{{{_encode_part(key.consumer)}:{_encode_part(key.message_id)}}}"
+        head = self._heads.get(key.consumer)
+        if head is None:
+            head = self._heads[key.consumer] = f"{self.prefix}:{{{_encode_part(key.consumer)}:"
+        return f"{head}{_encode_part(key.message_id)}}}"
 
     def parse_key(self, raw: bytes | str) -> Key | None:
         """The :class:`Key` of a record key found by SCAN, or ``None`` if it is not ours."""
@@ -113,55 +133,78 @@ class Layout:
         return f"{glob_escape(self.prefix)}:{{*:{glob_escape(_encode_part(message_id))}}}"
 
 
+_STATUSES = {str(int(status)): status for status in RecordStatus}
+
+
 def _datetime(ms: str | None) -> datetime | None:
-    return None if not ms else _EPOCH + timedelta(milliseconds=int(ms))
+    # timedelta's positional form (days, seconds, microseconds, milliseconds) is three times
+    # faster than milliseconds=…, and a duplicate's record carries two of these.
+    return _EPOCH + timedelta(0, 0, 0, int(ms)) if ms else None
 
 
 def parse_record(key: Key, reply: Any) -> Record | None:
-    """A :class:`Record` from a claim's JSON reply or an HMGET of :data:`FIELDS` (None: absent)."""
+    """A :class:`Record` from a claim's reply (the :data:`FIELDS` joined by NUL, see the claim
+    script) or from an HMGET of :data:`FIELDS`; ``None`` when the record is absent."""
     if isinstance(reply, bytes | str):
-        values: list[str | None] = [v or None for v in json.loads(text(reply))]
+        values = text(reply).split("\0", len(FIELDS) - 1)  # the result, last, may hold anything
     else:
-        values = [None if v is None else text(v) or None for v in reply]
+        values = ["" if v is None else text(v) for v in reply]
+    if len(values) != len(FIELDS):
+        raise StoreError(f"malformed idemq record for {key!r}: {len(values)} fields")
     s, owner, lease, attempts, created, processed, business_id, payload_hash, result = values
-    if s is None:
+    if not s:
         return None
+    status = _STATUSES.get(s)
     try:
-        status = RecordStatus(int(s))
+        if status is None:  # someone else's hash under our prefix, or a corrupted record
+            raise ValueError(f"unknown status {s!r}")  # noqa: TRY301 - one message for both
+        done = status is RecordStatus.PROCESSED
         return Record(
             consumer=key.consumer,
             message_id=key.message_id,
             status=status,
-            business_id=business_id,
-            payload_hash=payload_hash,
+            business_id=business_id or None,
+            payload_hash=payload_hash or None,
             # A result is only ever written together with status 1, but keep the invariant local.
-            result=result if status is RecordStatus.PROCESSED else None,
-            owner=owner,
-            lease_until_ms=int(lease) if lease and status is RecordStatus.PROCESSING else None,
+            result=result if done else None,
+            owner=owner or None,
+            lease_until_ms=int(lease) if lease and not done else None,
             attempts=int(attempts or 1),
             created_time=_datetime(created),
             processed_time=_datetime(processed),
         )
     except ValueError as exc:
-        # Someone else's hash under our prefix, or a corrupted record: not a guessable state.
         raise StoreError(f"malformed idemq record for {key!r}: {values[:6]!r}") from exc
 
 
 def _claim_args(layout: Layout, request: ClaimRequest) -> tuple[str | int, ...]:
-    until_ms = request.lease_until_ms
+    owner = request.owner
+    business_id = request.business_id or ""
+    payload_hash = request.payload_hash or ""
+    if "\0" in owner or "\0" in business_id or "\0" in payload_hash:
+        # The claim script joins a record's values with NUL; core never builds such a request.
+        raise InvalidInputError("a claim's owner, business id and payload hash cannot hold NUL")
+    lease_ms = request.lease_ms
+    now_ms = request.now_ms
     return (
-        request.owner,
-        request.now_ms,
-        until_ms,
+        owner,
+        now_ms,
+        now_ms + lease_ms,
         # Keep a PROCESSING record until its lease is over plus the retention ttl: long enough
         # that a redelivery after a crash finds it and takes over rather than starts afresh.
-        request.lease_ms + layout.ttl_ms,
-        request.business_id or "",
-        request.payload_hash or "",
+        lease_ms + layout.ttl_ms,
+        business_id,
+        payload_hash,
     )
 
 
-def _claim_reply(key: Key, reply: Any) -> Claim:
+def claim_call(layout: Layout, request: ClaimRequest) -> RunScript:
+    """The claim of one message (one round trip); read the reply with :func:`claim_result`."""
+    return RunScript(CLAIM, (layout.key(request.key),), _claim_args(layout, request))
+
+
+def claim_result(key: Key, reply: Any) -> Claim:
+    """Won (the script returned 1) or lost to the record it handed back."""
     if reply == 1:
         return Claim.won()
     record = parse_record(key, reply)
@@ -170,18 +213,16 @@ def _claim_reply(key: Key, reply: Any) -> Claim:
     return Claim.lost_to(record)
 
 
-def claim(layout: Layout, request: ClaimRequest) -> Op[Claim]:
-    reply = yield RunScript(CLAIM, (layout.key(request.key),), _claim_args(layout, request))
-    return _claim_reply(request.key, reply)
-
-
-def claim_many(layout: Layout, requests: Sequence[ClaimRequest]) -> Op[list[Claim]]:
-    if not requests:
-        return []
+def claim_many_call(layout: Layout, requests: Sequence[ClaimRequest]) -> RunScript:
+    """The claims of a batch in one script call (``requests`` must not be empty)."""
     keys = tuple(layout.key(r.key) for r in requests)
     args = tuple(a for r in requests for a in _claim_args(layout, r))
-    replies = yield RunScript(CLAIM_MANY, keys, args)
-    return [_claim_reply(r.key, reply) for r, reply in zip(requests, replies, strict=True)]
+    return RunScript(CLAIM_MANY, keys, args)
+
+
+def claim_many_result(requests: Sequence[ClaimRequest], replies: Any) -> list[Claim]:
+    """The claims of :func:`claim_many_call`, in the order of ``requests``."""
+    return [claim_result(r.key, reply) for r, reply in zip(requests, replies, strict=True)]
 
 
 def _encode_value(value: str) -> bytes:
@@ -189,18 +230,25 @@ def _encode_value(value: str) -> bytes:
     return value.encode("utf-8", "surrogatepass")
 
 
-def complete(layout: Layout, key: Key, owner: str, result: str, now_ms: int) -> Op[None]:
-    args = (owner, _encode_value(result), now_ms, layout.ttl_ms)
-    done = yield RunScript(COMPLETE, (layout.key(key),), args)
-    if done != 1:
+def complete_call(layout: Layout, key: Key, owner: str, result: str, now_ms: int) -> RunScript:
+    """PROCESSING → PROCESSED for ``owner``; check the reply with :func:`complete_result`."""
+    return RunScript(
+        COMPLETE, (layout.key(key),), (owner, _encode_value(result), now_ms, layout.ttl_ms)
+    )
+
+
+def complete_result(key: Key, reply: Any) -> None:
+    """Raise :class:`LeaseLostError` unless the complete script stored the result."""
+    if reply != 1:
         raise LeaseLostError(
             f"lease on {key.message_id!r} (consumer {key.consumer!r}) was lost before complete: "
             "another worker took it over or it expired away; the result was not stored"
         )
 
 
-def release(layout: Layout, key: Key, owner: str) -> Op[None]:
-    yield RunScript(RELEASE, (layout.key(key),), (owner,))
+def release_call(layout: Layout, key: Key, owner: str) -> RunScript:
+    """Delete ``owner``'s PROCESSING record (a no-op for anyone else); the reply is unused."""
+    return RunScript(RELEASE, (layout.key(key),), (owner,))
 
 
 def get(layout: Layout, key: Key) -> Op[Record | None]:
