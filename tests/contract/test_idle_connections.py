@@ -1,4 +1,4 @@
-"""A SQL store keeps its connection between messages (idemq.stores.sql_idle): prove it is harmless.
+"""A SQL store keeps its connection between messages (idemq.stores.sql_conn): prove it is harmless.
 
 A killed server session costs one StoreUnavailableError and nothing is written; the next message
 reconnects. What a handler does to ``tx`` does not leak into the next message. A ``NullPool``

@@ -1,7 +1,7 @@
 """``SqlStore`` / ``AsyncSqlStore``: the dedup table on SQLite, PostgreSQL and MariaDB/MySQL.
 
-Both run the same plans from :mod:`idemq.stores.sql_ops`; this module only owns connections,
-transactions and the translation of driver errors into the idemq tree.
+Both run the same plans from :mod:`idemq.stores.sql_ops` through the plumbing of
+:mod:`idemq.stores.sql_conn`; this module owns the stores' transactions and primitives.
 """
 
 from __future__ import annotations
@@ -12,109 +12,36 @@ from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
-from idemq._sqlident import translate_db_error
 from idemq.core import system_clock_ms
 from idemq.errors import (
     ConfigurationError,
     LeaseLostError,
-    StoreUnavailableError,
 )
 from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, StoreStats
-from idemq.stores.sql_idle import IdleConnections, keep_limit
-from idemq.stores.sql_ops import Ops, Plan, Reply, ops_for
+from idemq.stores.sql_conn import (
+    ENGINE_DEFAULTS,
+    IdleConnections,
+    arun,
+    async_url,
+    keep_limit,
+    parse_url,
+    prepare_sqlite,
+    reusable,
+    run,
+    sync_url,
+    translate_errors,
+)
+from idemq.stores.sql_ops import Ops, ops_for
 from idemq.stores.sql_schema import DEFAULT_TABLE, build_table, collation_for, ddl
 
 __all__ = ["AsyncSqlStore", "SqlStore", "schema_sql"]
 
 DEFAULT_URL = "sqlite:///idemq.db"
-SQLITE_BUSY_TIMEOUT_S = 30.0
-
-# Every transaction idemq opens ends in COMMIT or ROLLBACK, and SQLAlchemy's Connection rolls back
-# on close; the pool's extra reset ROLLBACK would be one more round trip per message on PyMySQL.
-ENGINE_DEFAULTS: dict[str, Any] = {"pool_reset_on_return": None, "pool_pre_ping": False}
-
-
-@contextmanager
-def translate_errors(where: str) -> Iterator[None]:
-    """Driver errors → the idemq tree, cause kept. Messages never include the URL or params."""
-    try:
-        yield
-    except DBAPIError as exc:
-        raise translate_db_error(exc, where) from exc
-    except SQLAlchemyError as exc:  # pool timeout, closed connection, …
-        raise StoreUnavailableError(f"{where}: {type(exc).__name__}: {exc}") from exc
-    except OSError as exc:
-        raise StoreUnavailableError(f"{where}: {exc}") from exc
-
-
-def _url(url: str | URL) -> URL:
-    try:
-        return make_url(url)
-    except ArgumentError as exc:
-        raise ConfigurationError(f"not a database URL: {exc}") from exc
-
-
-def _sync_url(url: URL) -> URL:
-    """Bare scheme → the driver idemq is tested with (psycopg 3, PyMySQL)."""
-    drivers = {
-        "postgresql": "postgresql+psycopg",
-        "mysql": "mysql+pymysql",
-        "mariadb": "mariadb+pymysql",
-    }
-    return url.set(drivername=drivers.get(url.drivername, url.drivername))
-
-
-def _async_url(url: URL) -> URL:
-    backend = url.get_backend_name()
-    drivers = {
-        "postgresql": "postgresql+psycopg",
-        "mysql": "mysql+asyncmy",
-        "mariadb": "mariadb+asyncmy",
-        "sqlite": "sqlite+aiosqlite",
-    }
-    if url.get_driver_name() in ("psycopg", "asyncpg", "asyncmy", "aiomysql", "aiosqlite"):
-        return url
-    return url.set(drivername=drivers.get(backend, url.drivername))
-
-
-def _prepare_sqlite(engine: Engine) -> None:
-    """WAL, a busy timeout, and ``BEGIN IMMEDIATE``.
-
-    pysqlite's own transaction handling begins lazily and would let two writers both read, then
-    deadlock upgrading to write (``database is locked``). Taking the write lock at BEGIN makes
-    racing claims queue behind each other instead; it also makes SAVEPOINT work.
-
-    SQLAlchemy's recipe issues the BEGIN from a ``begin`` engine event, but any connection event
-    on an engine turns on event dispatch for every statement run on it (~10 µs each, and ~50 µs
-    per transaction for the BEGIN run through ``exec_driver_sql``). The dialect's ``do_begin``
-    hook — a no-op for pysqlite — runs at the same moment for every transaction on this engine
-    (idemq's, and the caller's own ``engine.begin()``), without it.
-    """
-
-    @event.listens_for(engine, "connect")  # a pool event: runs once per new DBAPI connection
-    def _connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = None
-        cursor = dbapi_conn.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")
-        cursor.close()
-
-    # This engine's own dialect instance (create_engine builds one per engine).
-    engine.dialect.do_begin = _begin_immediate  # type: ignore[method-assign,assignment]
-
-
-def _begin_immediate(dbapi_conn: Any) -> None:
-    cursor = dbapi_conn.cursor()
-    try:
-        cursor.execute("BEGIN IMMEDIATE")
-    finally:
-        cursor.close()
 
 
 class _SqlBase:
@@ -159,59 +86,6 @@ class _SqlBase:
         )
 
 
-def _reusable(conn: Connection | None, engine: Engine) -> bool:
-    """Closed, invalidated, in a transaction, or with execution options of its own (the handler
-    set them on ``tx``): not for the next message."""
-    return (
-        conn is not None
-        and not conn.closed
-        and not conn.invalidated
-        and not conn.in_transaction()
-        and conn.get_execution_options() == engine.get_execution_options()
-    )
-
-
-def _run(conn: Connection, plan: Plan) -> Any:
-    """Run a plan on the DBAPI cursor of ``conn``, inside its current transaction.
-
-    idemq's own statements skip SQLAlchemy's execution and result machinery: on the per-message
-    path it cost more CPU than the database round trip (see bench/sql_guard.py). Driver errors
-    go through SQLAlchemy's own error handling, so :func:`translate_errors` sees one kind.
-    """
-    dbapi_conn = conn.connection.dbapi_connection
-    cursor = dbapi_conn.cursor()  # type: ignore[union-attr]
-    sql, params = "", dict[str, Any]()
-    try:
-        step = next(plan)
-        while True:
-            sql, params, returns_rows = step
-            cursor.execute(sql, params)
-            # (Asking the cursor for its description would build column objects: measurable.)
-            rows = list(cursor.fetchall()) if returns_rows else []
-            step = plan.send(Reply(rows, cursor.rowcount))
-    except StopIteration as stop:
-        return stop.value
-    except conn.dialect.loaded_dbapi.Error as exc:
-        # SQLAlchemy's own handling, as for its own statements: the error wrapped, ``handle_error``
-        # hooks run, and on a disconnect this connection and the pool's older ones invalidated
-        # (a restarted server killed them all; each is replaced at its next checkout).
-        conn._handle_dbapi_exception(exc, sql, params, cursor, None)
-    finally:
-        cursor.close()
-
-
-async def _arun(conn: AsyncConnection, plan: Plan) -> Any:
-    try:
-        step = next(plan)
-        while True:
-            sql, params, _returns_rows = step
-            cursor = await conn.exec_driver_sql(sql, params)
-            rows = [tuple(r) for r in cursor.fetchall()] if cursor.returns_rows else []
-            step = plan.send(Reply(rows, cursor.rowcount))
-    except StopIteration as stop:
-        return stop.value
-
-
 class SqlStore(_SqlBase):
     """The dedup table in a SQL database, for ``Idempotency`` in transactional or lease mode.
 
@@ -231,13 +105,13 @@ class SqlStore(_SqlBase):
         if isinstance(url, Engine):
             self.engine = url
         else:
-            parsed = _sync_url(_url(url))
+            parsed = sync_url(parse_url(url))
             try:
                 self.engine = sa.create_engine(parsed, **{**ENGINE_DEFAULTS, **engine_kwargs})
             except (ArgumentError, NoSuchModuleError, ImportError) as exc:
                 raise ConfigurationError(f"cannot use {parsed.drivername!r}: {exc}") from exc
             if self.engine.dialect.name == "sqlite":
-                _prepare_sqlite(self.engine)
+                prepare_sqlite(self.engine)
         super().__init__(self.engine.url, table, schema, self.engine.dialect, mysql_flavor)
         self._idle: IdleConnections[Connection] = IdleConnections(keep_limit(self.engine.pool))
 
@@ -245,25 +119,25 @@ class SqlStore(_SqlBase):
 
     def create_schema(self) -> None:
         """Create the dedup table and its index if missing (safe to call twice)."""
-        with translate_errors(f"create_schema on {self.where}"), self.engine.begin() as conn:
+        with translate_errors("create_schema", self.where), self.engine.begin() as conn:
             self._ddl_table(conn.dialect).create(conn, checkfirst=True)
 
     def drop_schema(self) -> None:
         """Drop the dedup table (tests, teardown)."""
-        with translate_errors(f"drop_schema on {self.where}"), self.engine.begin() as conn:
+        with translate_errors("drop_schema", self.where), self.engine.begin() as conn:
             self.table.drop(conn, checkfirst=True)
 
     # -- plumbing ----------------------------------------------------------------------------
 
     def _exec(self, conn: Connection, plan: str, *args: Any, what: str) -> Any:
         """Run the plan ``Ops.<plan>(*args)`` of this dialect on ``conn``."""
-        with translate_errors(f"{what} on {self.where}"):
-            return _run(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
+        with translate_errors(what, self.where):
+            return run(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
     def _short(self, plan: str, *args: Any, what: str) -> Any:
         """One primitive in its own short transaction (lease mode and inspection)."""
-        with translate_errors(f"{what} on {self.where}"), self.transaction() as conn:
-            return _run(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
+        with translate_errors(what, self.where), self.transaction() as conn:
+            return run(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
     @contextmanager
     def transaction(self, connection: Any = None) -> Iterator[Connection]:
@@ -277,7 +151,7 @@ class SqlStore(_SqlBase):
                 yield conn
             return
         conn = self._checkout()
-        with translate_errors(f"begin on {self.where}"):
+        with translate_errors("begin", self.where):
             try:
                 trans = conn.begin()
             except BaseException:
@@ -287,12 +161,12 @@ class SqlStore(_SqlBase):
         try:
             yield conn
         except BaseException:
-            with translate_errors(f"rollback on {self.where}"):
+            with translate_errors("rollback", self.where):
                 trans.rollback()
             clean = True
             raise
         else:
-            with translate_errors(f"commit on {self.where}"):
+            with translate_errors("commit", self.where):
                 trans.commit()
             clean = True
         finally:
@@ -301,13 +175,13 @@ class SqlStore(_SqlBase):
     def _checkout(self) -> Connection:
         conn = self._idle.take()
         if conn is None:
-            with translate_errors(f"connect on {self.where}"):
+            with translate_errors("connect", self.where):
                 conn = self.engine.connect()
         return conn
 
     def _checkin(self, conn: Connection, *, clean: bool) -> None:
         """Keep ``conn`` for the next transaction if it is as idemq found it, else close it."""
-        if clean and _reusable(conn, self.engine) and self._idle.keep(conn):
+        if clean and reusable(conn, self.engine) and self._idle.keep(conn):
             return
         invalidated = conn.invalidated
         conn.close()
@@ -332,16 +206,16 @@ class SqlStore(_SqlBase):
     @contextmanager
     def savepoint(self, tx: Connection) -> Iterator[Connection]:
         """A SAVEPOINT inside ``tx`` (one batch message's writes)."""
-        with translate_errors(f"savepoint on {self.where}"):
+        with translate_errors("savepoint", self.where):
             nested = tx.begin_nested()
         try:
             yield tx
         except BaseException:
-            with translate_errors(f"rollback to savepoint on {self.where}"):
+            with translate_errors("rollback to savepoint", self.where):
                 nested.rollback()
             raise
         else:
-            with translate_errors(f"release savepoint on {self.where}"):
+            with translate_errors("release savepoint", self.where):
                 nested.commit()
 
     # -- transactional primitives ------------------------------------------------------------
@@ -441,38 +315,38 @@ class AsyncSqlStore(_SqlBase):
         if isinstance(url, AsyncEngine):
             self.engine = url
         else:
-            parsed = _async_url(_url(url))
+            parsed = async_url(parse_url(url))
             try:
                 self.engine = create_async_engine(parsed, **engine_kwargs)
             except (ArgumentError, NoSuchModuleError, ImportError) as exc:
                 raise ConfigurationError(f"cannot use {parsed.drivername!r}: {exc}") from exc
             if self.engine.dialect.name == "sqlite":
-                _prepare_sqlite(self.engine.sync_engine)
+                prepare_sqlite(self.engine.sync_engine)
         super().__init__(self.engine.url, table, schema, self.engine.dialect, mysql_flavor)
         self._idle: IdleConnections[AsyncConnection] = IdleConnections(
             keep_limit(self.engine.sync_engine.pool)
         )
 
     async def create_schema(self) -> None:
-        with translate_errors(f"create_schema on {self.where}"):
+        with translate_errors("create_schema", self.where):
             async with self.engine.begin() as conn:
                 await conn.run_sync(
                     lambda sync: self._ddl_table(sync.dialect).create(sync, checkfirst=True)
                 )
 
     async def drop_schema(self) -> None:
-        with translate_errors(f"drop_schema on {self.where}"):
+        with translate_errors("drop_schema", self.where):
             async with self.engine.begin() as conn:
                 await conn.run_sync(lambda sync: self.table.drop(sync, checkfirst=True))
 
     async def _exec(self, conn: AsyncConnection, plan: str, *args: Any, what: str) -> Any:
-        with translate_errors(f"{what} on {self.where}"):
-            return await _arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
+        with translate_errors(what, self.where):
+            return await arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
     async def _short(self, plan: str, *args: Any, what: str) -> Any:
-        with translate_errors(f"{what} on {self.where}"):
+        with translate_errors(what, self.where):
             async with self.transaction() as conn:
-                return await _arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
+                return await arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
     @asynccontextmanager
     async def transaction(self, connection: Any = None) -> AsyncIterator[AsyncConnection]:
@@ -487,7 +361,7 @@ class AsyncSqlStore(_SqlBase):
                 yield connection
             return
         conn = await self._checkout()
-        with translate_errors(f"begin on {self.where}"):
+        with translate_errors("begin", self.where):
             try:
                 trans = await conn.begin()
             except BaseException:
@@ -497,12 +371,12 @@ class AsyncSqlStore(_SqlBase):
         try:
             yield conn
         except BaseException:
-            with translate_errors(f"rollback on {self.where}"):
+            with translate_errors("rollback", self.where):
                 await trans.rollback()
             clean = True
             raise
         else:
-            with translate_errors(f"commit on {self.where}"):
+            with translate_errors("commit", self.where):
                 await trans.commit()
             clean = True
         finally:
@@ -511,14 +385,14 @@ class AsyncSqlStore(_SqlBase):
     async def _checkout(self) -> AsyncConnection:
         conn = self._idle.take()
         if conn is None:
-            with translate_errors(f"connect on {self.where}"):
+            with translate_errors("connect", self.where):
                 conn = await self.engine.connect()
         return conn
 
     async def _checkin(self, conn: AsyncConnection, *, clean: bool) -> None:
         """See :meth:`SqlStore._checkin`."""
         sync_engine = self.engine.sync_engine
-        if clean and _reusable(conn.sync_connection, sync_engine) and self._idle.keep(conn):
+        if clean and reusable(conn.sync_connection, sync_engine) and self._idle.keep(conn):
             return
         invalidated = conn.invalidated
         await conn.close()
@@ -528,16 +402,16 @@ class AsyncSqlStore(_SqlBase):
 
     @asynccontextmanager
     async def savepoint(self, tx: AsyncConnection) -> AsyncIterator[AsyncConnection]:
-        with translate_errors(f"savepoint on {self.where}"):
+        with translate_errors("savepoint", self.where):
             nested = await tx.begin_nested()
         try:
             yield tx
         except BaseException:
-            with translate_errors(f"rollback to savepoint on {self.where}"):
+            with translate_errors("rollback to savepoint", self.where):
                 await nested.rollback()
             raise
         else:
-            with translate_errors(f"release savepoint on {self.where}"):
+            with translate_errors("release savepoint", self.where):
                 await nested.commit()
 
     async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
