@@ -158,9 +158,10 @@ class Worker:
         self.guard = guard
         self.queue = queue
         self.concurrency = concurrency
-        # Batched (idemq.batching): a full batch per thread in flight, so prefetch that many.
+        # Batched (idemq.batching): a full batch per thread in flight, and as many again
+        # prefetched, so the broker refills while a batch commits instead of after its acks.
         self.batch = None if batch is None else BatchWorkerLoop(self, batch)
-        in_flight = concurrency if self.batch is None else self.batch.slots
+        in_flight = concurrency if self.batch is None else 2 * self.batch.slots
         self.prefetch = prefetch if prefetch is not None else in_flight
         self.policy = policy or RetryPolicy()
         self.description = description or f"queue={queue}"

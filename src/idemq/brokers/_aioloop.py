@@ -81,10 +81,11 @@ class Settler:
     """Settlements (acks, nacks) queued by worker threads and run on the loop, many per wake-up.
 
     :meth:`submit` does not wait: the action is appended to a list and the loop is woken only by
-    the first one of a burst, so a batch of 100 acks costs one wake-up. The loop runs each queued
-    action in order, then ``confirm()`` once if given (NATS: a PING/PONG proving the server
-    received every ack written before it), and completes each action's future — with a
-    :class:`~idemq.errors.BrokerError` if it (or the confirm) failed.
+    the first one of a burst, so a batch of 100 acks costs one wake-up. On the loop one sender
+    takes everything queued, runs each action in order, then ``confirm()`` once if given (NATS:
+    a PING/PONG proving the server received every ack written before it), completes each
+    action's future — with a :class:`~idemq.errors.BrokerError` if it (or the confirm) failed —
+    and starts over with what was queued meanwhile.
 
     Safety does not rest on the queue: an action is submitted only after the effect committed,
     and one that never runs (the process dies first) or fails leaves the message unacked, so the
@@ -99,7 +100,7 @@ class Settler:
         self._confirm = confirm
         self._lock = threading.Lock()
         self._queued: list[tuple[Action, Future[None]]] = []
-        self._running: set[asyncio.Task[None]] = set()  # touched on the loop thread only
+        self._sender: asyncio.Task[None] | None = None  # touched on the loop thread only
 
     def submit(self, action: Action) -> Future[None]:
         """Queue ``await action()`` on the loop; the future completes once it ran (and was
@@ -138,16 +139,19 @@ class Settler:
         return batch
 
     def _start(self) -> None:
-        batch = self._take()
-        if batch:
-            task = self._loop.loop.create_task(self._run(batch))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+        # One sender at a time: what is queued while it awaits (a NATS flush's PONG) goes out
+        # in its next round, together — under load, bursts grow instead of flushes multiplying.
+        if self._sender is None or self._sender.done():
+            self._sender = self._loop.loop.create_task(self._send())
+
+    async def _send(self) -> None:
+        while batch := self._take():
+            await self._run(batch)
 
     async def _settled(self) -> None:
         self._start()  # whatever was queued since the last wake-up
-        while self._running:
-            await asyncio.wait(set(self._running))
+        if self._sender is not None:
+            await asyncio.wait({self._sender})  # not `await`: a timeout must not cancel it
 
     async def _run(self, batch: list[tuple[Action, Future[None]]]) -> None:
         done: list[Future[None]] = []
