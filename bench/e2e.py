@@ -21,6 +21,11 @@ The idemq handler runs the same business statements through ``tx.exec_driver_sql
 PostgreSQL: ledger rows carry ``clock_timestamp()``, so process start-up and polling are not
 counted. Contenders are interleaved, best of ``--repeat``; the load average is printed.
 
+A ``sql`` line needs no broker: the same SQL straight through psycopg, one message per
+transaction, then a batch per transaction. Its ratio is the most batching can gain on this
+database whatever the consumer: a batch still runs each message's three statements, one round
+trip each; only the commit (its WAL flush) and the claim are shared.
+
     python bench/e2e.py [--n 5000] [--repeat 3] [--only amqp,redis,nats]
     python bench/e2e.py --memory 100000          # RSS of one worker over 100k messages
 """
@@ -189,6 +194,21 @@ async def raw_nats(queue: str) -> None:
             await msg.ack()  # plain ack after the commit, as idemq's adapter sends
 
 
+def sql_only(n: int, per_txn: int) -> float:
+    """The ceiling without any broker: the seed's SQL straight through psycopg, ``per_txn``
+    messages per transaction (1 = the per-message consumers' commit rate, BATCH = a batch's)."""
+    reset(n)
+    with psycopg.connect(PG_DSN) as pg:
+        started = time.perf_counter()
+        for first in range(0, n, per_txn):
+            with pg.transaction():
+                for i in range(first, min(first + per_txn, n)):
+                    message_id = f"sql-{i}"
+                    if pg.execute(DEDUP, (message_id, None)).rowcount == 1:
+                        pay(pg.execute, message_id, f"o-{i}")
+        return n / (time.perf_counter() - started)
+
+
 # -- one contender ----------------------------------------------------------------------------
 
 
@@ -313,11 +333,20 @@ def main() -> None:
     kinds = ["raw", "idemq", "batch"]
     best: dict[tuple[str, str], float] = {}
     for rep in range(args.repeat):
+        for per_txn in (1, BATCH):
+            rate = sql_only(args.n, per_txn)
+            best["sql", str(per_txn)] = max(best.get(("sql", str(per_txn)), 0.0), rate)
+            print(f"  run {rep + 1} sql   {per_txn:>3}/txn {rate:6.0f} msg/s", flush=True)
         for broker in brokers:
             for kind in kinds if rep % 2 == 0 else kinds[::-1]:  # interleaved, order alternated
                 rate = run_one(kind, broker, args.n)
                 best[broker, kind] = max(best.get((broker, kind), 0.0), rate)
                 print(f"  run {rep + 1} {broker:5} {kind:5} {rate:8.0f} msg/s", flush=True)
+    one, many = best["sql", "1"], best["sql", str(BATCH)]
+    print(
+        f"sql  : no broker, psycopg only: 1 per transaction {one:7.0f} msg/s | {BATCH} per "
+        f"transaction {many:7.0f} msg/s ({many / one:.2f}x: the most batching can gain here)"
+    )
     for broker in brokers:
         raw, one, many = (best[broker, k] for k in kinds)
         print(
