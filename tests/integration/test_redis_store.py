@@ -335,7 +335,7 @@ def test_unreachable_server_is_store_unavailable_without_password() -> None:
 def test_foreign_key_under_the_prefix_is_a_store_error(
     store: RedisStore, client: redis.Redis, prefix: str
 ) -> None:
-    client.set(store._layout.key(Key(C, "m1")), "not a hash")
+    client.hset(store._layout.key(Key(C, "m1")), "not", "a string")  # WRONGTYPE for GET
     with pytest.raises(StoreError) as info:
         store.claim(req("m1", "A"))
     assert isinstance(info.value.__cause__, redis.ResponseError)
@@ -344,10 +344,15 @@ def test_foreign_key_under_the_prefix_is_a_store_error(
 def test_malformed_record_is_a_store_error(
     store: RedisStore, client: redis.Redis, prefix: str
 ) -> None:
-    client.hset(store._layout.key(Key(C, "m1")), mapping={"s": "7", "o": "X"})
-    with pytest.raises(StoreError, match="malformed"):
-        store.claim(req("m1", "A"))
-    assert client.hget(store._layout.key(Key(C, "m1")), "s") == b"7"  # untouched
+    key = store._layout.key(Key(C, "m1"))
+    for foreign in (b"not a record", b"7\x00X\x00\x001\x00\x00\x00\x00\x00"):
+        client.set(key, foreign)
+        with pytest.raises(StoreError, match="malformed"):
+            store.claim(req("m1", "A"))
+        with pytest.raises(StoreError, match="malformed"):
+            store.get("m1", C)
+        assert client.get(key) == foreign  # untouched
+    assert store.stats().processing == 0  # counting skips it
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,7 @@ class _RedisStoreBase:
 
 
 class RedisStore(_RedisStoreBase):
-    """Lease-mode dedup store on Redis (one hash per record, one Lua round trip per primitive).
+    """Lease-mode dedup store on Redis (one string per record, one Lua round trip per primitive).
 
     ``client_or_url``: a ``redis.Redis`` (shared, not closed by :meth:`close`) or a
     ``redis://``/``rediss://``/``unix://`` URL (the store owns that client). ``ttl_s``: how long a

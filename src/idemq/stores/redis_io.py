@@ -49,13 +49,13 @@ class LuaScript:
 
     name: str
     source: str
-    sha: str = field(init=False)
+    sha: bytes = field(init=False)
+    """The hex digest EVALSHA names the script by, as ASCII bytes (sent as is, see
+    :func:`evalsha_argv`); redis-py's ``Script`` hashes the same UTF-8 bytes."""
 
     def __post_init__(self) -> None:
-        # The digest EVALSHA names the script by; redis-py's Script hashes the same UTF-8 bytes.
-        object.__setattr__(
-            self, "sha", hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()
-        )
+        digest = hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()
+        object.__setattr__(self, "sha", digest.encode())
 
 
 class RunScript(NamedTuple):
@@ -97,9 +97,13 @@ def evalsha_argv(call: RunScript) -> tuple[str | bytes | int, ...]:
 
     Sent directly rather than through redis-py's ``Script`` wrapper, whose per-call copying and
     dispatch cost as much as parsing a duplicate's reply. The caller loads the script on
-    ``NoScriptError`` and repeats the call.
+    ``NoScriptError`` and repeats the call. The constant words are bytes because redis-py's
+    encoder passes bytes through at its first type test (a ``str`` or ``int`` takes five).
     """
-    return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+    return (_EVALSHA, call.script.sha, len(call.keys), *call.keys, *call.args)
+
+
+_EVALSHA = b"EVALSHA"
 
 
 Step = RunScript | Call | Batch | Pause

@@ -1,12 +1,12 @@
 """Everything :class:`~idemq.RedisStore` does, written once as sans-I/O operations.
 
-Key layout — one hash per record, ``<prefix>:{<consumer>:<message_id>}``, both parts
-percent-encoded. Why encode: message ids are arbitrary text. A raw ``}`` would end the Cluster
-hash tag early, a raw ``:`` would make ``("a:b", "c")`` and ``("a", "b:c")`` the same key, and a
-raw ``*``/``?``/``[`` would turn :meth:`find`'s SCAN pattern into a wildcard that reads (or a
-purge that deletes) other messages' records. After encoding, a key part holds only
-``[A-Za-z0-9_.~-]`` and ``%XX``, so it is exact, reversible and glob-inert; patterns are
-glob-escaped anyway as a second line of defence.
+Key layout — one string per record (its value: see :mod:`.redis_scripts`),
+``<prefix>:{<consumer>:<message_id>}``, both parts percent-encoded. Why encode: message ids are
+arbitrary text. A raw ``}`` would end the Cluster hash tag early, a raw ``:`` would make
+``("a:b", "c")`` and ``("a", "b:c")`` the same key, and a raw ``*``/``?``/``[`` would turn
+:meth:`find`'s SCAN pattern into a wildcard that reads (or a purge that deletes) other messages'
+records. After encoding, a key part holds only ``[A-Za-z0-9_.~-]`` and ``%XX``, so it is exact,
+reversible and glob-inert; patterns are glob-escaped anyway as a second line of defence.
 
 Two shapes of operation. The store protocol's primitives — claim, claim_many, complete,
 release — are one script call each and run once per message, so they are plain functions: one
@@ -142,21 +142,18 @@ def _datetime(ms: str | None) -> datetime | None:
     return _EPOCH + timedelta(0, 0, 0, int(ms)) if ms else None
 
 
-def parse_record(key: Key, reply: Any) -> Record | None:
-    """A :class:`Record` from a claim's reply (the :data:`FIELDS` joined by NUL, see the claim
-    script) or from an HMGET of :data:`FIELDS`; ``None`` when the record is absent."""
-    if isinstance(reply, bytes | str):
-        values = text(reply).split("\0", len(FIELDS) - 1)  # the result, last, may hold anything
-    else:
-        values = ["" if v is None else text(v) for v in reply]
+def parse_record(key: Key, stored: bytes | str | None) -> Record | None:
+    """A :class:`Record` from a stored record (a GET, or a claim's conflict reply, which is the
+    record as stored: the :data:`FIELDS` joined by NUL); ``None`` when it is absent."""
+    if stored is None:
+        return None
+    values = text(stored).split("\0", len(FIELDS) - 1)  # the result, last, may hold anything
     if len(values) != len(FIELDS):
         raise StoreError(f"malformed idemq record for {key!r}: {len(values)} fields")
     s, owner, lease, attempts, created, processed, business_id, payload_hash, result = values
-    if not s:
-        return None
     status = _STATUSES.get(s)
     try:
-        if status is None:  # someone else's hash under our prefix, or a corrupted record
+        if status is None:  # someone else's value under our prefix, or a corrupted record
             raise ValueError(f"unknown status {s!r}")  # noqa: TRY301 - one message for both
         done = status is RecordStatus.PROCESSED
         return Record(
@@ -200,7 +197,12 @@ def _claim_args(layout: Layout, request: ClaimRequest) -> tuple[str | int, ...]:
 
 def claim_call(layout: Layout, request: ClaimRequest) -> RunScript:
     """The claim of one message (one round trip); read the reply with :func:`claim_result`."""
-    return RunScript(CLAIM, (layout.key(request.key),), _claim_args(layout, request))
+    args = _claim_args(layout, request)
+    if not args[5]:
+        # The script reads a left-off business id or payload hash as '': each argument left
+        # off is one fewer for redis-py to encode, and most messages carry neither.
+        args = args[:5] if args[4] else args[:4]
+    return RunScript(CLAIM, (layout.key(request.key),), args)
 
 
 def claim_result(key: Key, reply: Any) -> Claim:
@@ -252,8 +254,8 @@ def release_call(layout: Layout, key: Key, owner: str) -> RunScript:
 
 
 def get(layout: Layout, key: Key) -> Op[Record | None]:
-    reply = yield Call(("HMGET", layout.key(key), *FIELDS))
-    return parse_record(key, reply)
+    stored = yield Call(("GET", layout.key(key)))
+    return parse_record(key, stored)
 
 
 def _scan(pattern: str) -> Op[list[bytes | str]]:
@@ -261,21 +263,32 @@ def _scan(pattern: str) -> Op[list[bytes | str]]:
     found: dict[bytes | str, None] = {}
     cursor: int = 0
     while True:
-        reply = yield Call(("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT, "TYPE", "hash"))
+        reply = yield Call(
+            ("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT, "TYPE", "string")
+        )
         cursor, keys = int(reply[0]), reply[1]
         found.update(dict.fromkeys(keys))
         if cursor == 0:
             return list(found)
 
 
-def _fetch(layout: Layout, raw_keys: Sequence[bytes | str]) -> Op[list[Record]]:
+def _fetch(
+    layout: Layout, raw_keys: Sequence[bytes | str], *, skip_malformed: bool = False
+) -> Op[list[Record]]:
+    """The records under ``raw_keys`` (pipelined GETs); a value that is not a record raises
+    :class:`StoreError`, or is left out with ``skip_malformed`` (counting, not reading)."""
     pairs = [(raw, parsed) for raw in raw_keys if (parsed := layout.parse_key(raw)) is not None]
     records: list[Record] = []
     for start in range(0, len(pairs), _SCAN_COUNT):
         chunk = pairs[start : start + _SCAN_COUNT]
-        replies = yield Batch(tuple(("HMGET", raw, *FIELDS) for raw, _ in chunk))
-        for (_, key), reply in zip(chunk, replies, strict=True):
-            record = parse_record(key, reply)  # None: expired or deleted since the SCAN
+        replies = yield Batch(tuple(("GET", raw) for raw, _ in chunk))
+        for (_, key), stored in zip(chunk, replies, strict=True):
+            try:
+                record = parse_record(key, stored)  # None: expired or deleted since the SCAN
+            except StoreError:
+                if not skip_malformed:
+                    raise
+                continue
             if record is not None:
                 records.append(record)
     return records
@@ -302,7 +315,7 @@ def purge(layout: Layout, cutoff_ms: int, batch_size: int) -> Op[int]:
     cursor: int = 0
     while True:
         reply = yield Call(
-            ("SCAN", cursor, "MATCH", layout.pattern_all(), "COUNT", batch_size, "TYPE", "hash")
+            ("SCAN", cursor, "MATCH", layout.pattern_all(), "COUNT", batch_size, "TYPE", "string")
         )
         cursor, keys = int(reply[0]), [k for k in reply[1] if layout.parse_key(k) is not None]
         # Bounded batches: one Lua call never blocks the server for more than batch_size keys.
@@ -317,50 +330,33 @@ def force_release(layout: Layout, key: Key) -> Op[bool]:
     return bool(deleted == 1)
 
 
-def _min_ms(current: int | None, value: str | None) -> int | None:
-    if not value:
-        return current
-    ms = int(value)
-    return ms if current is None or ms < current else current
-
-
 def stats(layout: Layout, now_ms: int) -> Op[StoreStats]:
-    """Counts by SCAN + pipelined HMGET (O(records): an operator's tool, not a hot path).
+    """Counts by SCAN + pipelined GET (O(records): an operator's tool, not a hot path).
 
     The size is estimated: the mean ``MEMORY USAGE`` of up to :data:`MEMORY_SAMPLE` records,
     spread over the key space, times the number of records.
     """
     raw_keys = yield from _scan(layout.pattern_all())
     keys = [raw for raw in raw_keys if layout.parse_key(raw) is not None]
-    processing = processed = stuck = 0
-    oldest_created: int | None = None
-    oldest_processed: int | None = None
-    for start in range(0, len(keys), _SCAN_COUNT):
-        chunk = keys[start : start + _SCAN_COUNT]
-        replies = yield Batch(tuple(("HMGET", raw, "s", "l", "c", "p") for raw in chunk))
-        for reply in replies:
-            status, lease, created, done = (None if v is None else text(v) for v in reply)
-            if status == "0":
-                processing += 1
-                stuck += 1 if lease and int(lease) <= now_ms else 0
-                oldest_created = _min_ms(oldest_created, created)
-            elif status == "1":
-                processed += 1
-                oldest_processed = _min_ms(oldest_processed, done)
-            # None: the record expired or was deleted since the SCAN
+    records = yield from _fetch(layout, keys, skip_malformed=True)
+    processing = [r for r in records if r.status is RecordStatus.PROCESSING]
+    processed = [r for r in records if r.status is RecordStatus.PROCESSED]
+    stuck = sum(1 for r in processing if r.lease_expired(now_ms))
     sample = keys[:: max(1, len(keys) // MEMORY_SAMPLE)][:MEMORY_SAMPLE]
     sizes: list[int] = []
     if sample:
         usages = yield Batch(tuple(("MEMORY", "USAGE", raw) for raw in sample))
         sizes = [int(u) for u in usages if u is not None]
-    count = processing + processed
+    count = len(records)
     size = round(sum(sizes) / len(sizes) * count) if sizes else 0
     return StoreStats(
-        processing=processing,
-        processed=processed,
+        processing=len(processing),
+        processed=len(processed),
         stuck=stuck,
-        oldest_processing=_datetime(None if oldest_created is None else str(oldest_created)),
-        oldest_processed=_datetime(None if oldest_processed is None else str(oldest_processed)),
+        oldest_processing=min((r.created_time for r in processing if r.created_time), default=None),
+        oldest_processed=min(
+            (r.processed_time for r in processed if r.processed_time), default=None
+        ),
         size_bytes=size,
         size_method=(
             f"redis MEMORY USAGE of {len(sizes)} sampled records x {count} records (estimate)"
