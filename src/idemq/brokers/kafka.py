@@ -10,13 +10,21 @@ Kafka has offsets, not per-message acks, so settlement is built on top:
   a copy that is not yet due (uncommitted) and hands it out when it is. A crash between the
   copy and the commit leaves two copies: the guard absorbs the second.
 * **Dead letter** = produce to ``<topic>.dlq`` with the reason headers and wait for delivery.
-* The producer is idempotent (``enable.idempotence``): the broker drops a retried batch it
-  already holds, so a lost produce ack does not duplicate (cause 1, absorbed at the source).
+* The producer is idempotent (``enable.idempotence``): the broker drops a batch librdkafka
+  itself retried. A publish the *application* retries (its delivery report timed out) is a new
+  record: the duplicate the guard must absorb.
+* **Slow handlers.** ``max_poll_interval_ms`` bounds the time between two pulls from
+  :meth:`KafkaBroker.consume`. The worker pulls only when a slot is free, so when every slot
+  stays busy longer than that, librdkafka leaves the group, the partition moves to another
+  member, and it re-reads from the last committed offset while the first copy still runs —
+  Kafka's "slow consumer" redelivery. The member rejoins at its next pull; commits it attempts
+  meanwhile fail harmlessly (not committed = re-read, absorbed by the guard).
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 import uuid
@@ -32,6 +40,8 @@ from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["KafkaBroker"]
+
+log = logging.getLogger("idemq.brokers")
 
 NewTopic: Any = confluent_kafka.admin.NewTopic  # type: ignore[attr-defined]  # not in stubs
 
@@ -85,21 +95,27 @@ class KafkaBroker:
         group: str | None = None,
         timeout_s: float = 10.0,
         session_timeout_ms: int = 10_000,
+        max_poll_interval_ms: int | None = None,
+        client_id: str | None = None,
         clock_ms: Callable[[], int] = _now_ms,
     ) -> None:
+        # librdkafka refuses a poll interval below the session timeout; its default is 5 min.
+        poll_ms = max_poll_interval_ms or max(300_000, session_timeout_ms)
+        if poll_ms < session_timeout_ms:
+            raise ConfigurationError(
+                f"max_poll_interval_ms ({poll_ms}) must be >= session_timeout_ms"
+                f" ({session_timeout_ms})"
+            )
         self.bootstrap = bootstrap
         self.group = group
         self.timeout_s = timeout_s
         self.session_timeout_ms = session_timeout_ms
+        self.max_poll_interval_ms = poll_ms
         self._clock_ms = clock_ms
-        self._producer = confluent_kafka.Producer(
-            {
-                "bootstrap.servers": bootstrap,
-                "enable.idempotence": True,
-                "acks": "all",
-                "message.timeout.ms": int(timeout_s * 1000),
-            }
-        )
+        self._client = {"bootstrap.servers": bootstrap}
+        if client_id:
+            self._client["client.id"] = client_id  # sent in every request: logs, quotas
+        self._producer = self._new_producer()
         # One produce-and-flush at a time: a flush serves every thread's delivery reports, and
         # each caller must see its own report before deciding whether the produce happened.
         self._produce_lock = threading.Lock()
@@ -108,19 +124,24 @@ class KafkaBroker:
 
     @classmethod
     def from_url(cls, url: str) -> KafkaBroker:
-        """``kafka://host:port[,host:port]?group=NAME&session_timeout_ms=10000``."""
+        """``kafka://host:port[,host:port]?group=NAME&session_timeout_ms=10000``.
+
+        Optional: ``max_poll_interval_ms`` (default 300000, never below the session timeout),
+        ``timeout_ms`` (how long a publish waits for its delivery report, default 10000) and
+        ``client_id``.
+        """
         parts = urlsplit(url)
         query = {key: values[0] for key, values in parse_qs(parts.query).items()}
         if not parts.netloc:
             raise ConfigurationError(f"Kafka URL needs host:port: {url!r}")
-        try:
-            session_timeout_ms = int(query.get("session_timeout_ms", "10000"))
-        except ValueError as exc:
-            raise ConfigurationError(f"bad session_timeout_ms in {url!r}") from exc
+        poll_ms = _int_param(query, "max_poll_interval_ms", url)
         return cls(
             parts.netloc,
             group=query.get("group"),
-            session_timeout_ms=session_timeout_ms,
+            timeout_s=(_int_param(query, "timeout_ms", url) or 10_000) / 1000,
+            session_timeout_ms=_int_param(query, "session_timeout_ms", url) or 10_000,
+            max_poll_interval_ms=poll_ms,
+            client_id=query.get("client_id"),
         )
 
     def dead_letter_queue(self, queue: str) -> str:
@@ -129,7 +150,7 @@ class KafkaBroker:
 
     def declare(self, queue: str) -> None:
         """Create the topic and its dead-letter topic (one partition each) if missing."""
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin = AdminClient(dict(self._client))
         futures = admin.create_topics(
             [NewTopic(name, 1, 1) for name in (queue, self.dead_letter_queue(queue))]
         )
@@ -142,7 +163,7 @@ class KafkaBroker:
 
     def delete_queue(self, queue: str) -> None:
         """Delete the topic and its dead-letter topic."""
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin = AdminClient(dict(self._client))
         for future in admin.delete_topics([queue, self.dead_letter_queue(queue)]).values():
             try:
                 future.result(self.timeout_s)
@@ -163,14 +184,18 @@ class KafkaBroker:
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
         """Poll ``queue``; copies scheduled for later are held until due."""
+        # A consumer left by an earlier stream (the worker reconnects after a broker error)
+        # would stay in the group, be assigned partitions and never poll them: close it.
+        self._close_consumer()
         consumer = confluent_kafka.Consumer(
             {
-                "bootstrap.servers": self.bootstrap,
+                **self._client,
                 "group.id": self.group or f"idemq.{queue}",
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "session.timeout.ms": self.session_timeout_ms,
                 "heartbeat.interval.ms": max(self.session_timeout_ms // 4, 100),
+                "max.poll.interval.ms": self.max_poll_interval_ms,
             }
         )
         self._consumer = consumer
@@ -190,8 +215,8 @@ class KafkaBroker:
                 continue
             error = record.error()
             if error is not None:
-                if error.code() == confluent_kafka.KafkaError._PARTITION_EOF:
-                    continue
+                if error.code() in _TRANSIENT_POLL_ERRORS:
+                    continue  # a max-poll eviction rejoins at this very poll: keep polling
                 raise BrokerUnavailableError(f"Kafka: {error}")
             delivery = self._delivery(queue, record)
             self._offsets.received(queue, delivery.partition, delivery.offset)
@@ -202,15 +227,42 @@ class KafkaBroker:
 
     def close(self) -> None:
         """Commit what was settled, leave the group, flush the producer."""
+        self._close_consumer()
+        self._producer.flush(self.timeout_s)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _close_consumer(self) -> None:
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             try:
                 self._commit(consumer)
             finally:
                 consumer.close()
-        self._producer.flush(self.timeout_s)
 
-    # -- internals ---------------------------------------------------------------------------
+    def _new_producer(self) -> confluent_kafka.Producer:
+        return confluent_kafka.Producer(
+            {
+                **self._client,
+                "enable.idempotence": True,
+                "acks": "all",
+                "message.timeout.ms": int(self.timeout_s * 1000),
+            }
+        )
+
+    def _renew_if_fatal(self, error: Any) -> None:
+        """Replace a producer that can never produce again (caller holds the produce lock).
+
+        An idempotent producer whose record timed out in flight must bump its epoch; a broker
+        that refuses (Tansu answers PRODUCER_FENCED) leaves it fenced for good, and every later
+        publish would fail. A fresh producer gets a new producer id and works again.
+        """
+        if not isinstance(error, confluent_kafka.KafkaError):
+            return
+        if error.fatal() or error.code() == confluent_kafka.KafkaError.PRODUCER_FENCED:
+            log.warning("Kafka: producer failed for good (%s); starting a new one", error)
+            self._producer.purge()
+            self._producer = self._new_producer()
 
     def _commit(self, consumer: confluent_kafka.Consumer) -> None:
         offsets = self._offsets.take()
@@ -219,8 +271,10 @@ class KafkaBroker:
         try:
             consumer.commit(offsets=offsets, asynchronous=False)
         except confluent_kafka.KafkaException as exc:
-            # Not fatal: uncommitted offsets are re-read and the guard absorbs them.
-            raise BrokerUnavailableError(f"Kafka: commit failed: {exc}") from exc
+            # Not fatal, and no reason to drop the consumer: a member evicted for a slow
+            # handler (or caught in a rebalance) cannot commit until it rejoins. Uncommitted
+            # offsets are re-read by whoever owns the partition and the guard absorbs them.
+            log.warning("Kafka: commit of %s failed: %s", offsets, exc)
 
     def _delivery(self, queue: str, record: Any) -> KafkaDelivery:
         headers = {
@@ -246,8 +300,8 @@ class KafkaBroker:
         self, topic: str, body: bytes, headers: Mapping[str, str], key: str | None = None
     ) -> None:
         errors: list[Any] = []
-        try:
-            with self._produce_lock:
+        with self._produce_lock:
+            try:
                 self._producer.produce(
                     topic,
                     body,
@@ -256,8 +310,11 @@ class KafkaBroker:
                     on_delivery=lambda err, _msg: errors.append(err),
                 )
                 self._producer.flush(self.timeout_s)
-        except (confluent_kafka.KafkaException, BufferError) as exc:
-            raise BrokerUnavailableError(f"Kafka: produce failed: {exc}") from exc
+            except (confluent_kafka.KafkaException, BufferError) as exc:
+                self._renew_if_fatal(exc.args[0] if exc.args else None)
+                raise BrokerUnavailableError(f"Kafka: produce failed: {exc}") from exc
+            if errors and errors[0] is not None:
+                self._renew_if_fatal(errors[0])
         if not errors:
             raise BrokerUnavailableError(f"Kafka: no delivery report within {self.timeout_s}s")
         if errors[0] is not None:
@@ -276,6 +333,20 @@ class KafkaBroker:
         headers[NOT_BEFORE_HEADER] = str(self._clock_ms() + int(delay_s * 1000))
         key = delivery.message.id if delivery.message else uuid.uuid4().hex
         self._produce(delivery.queue, delivery.body, headers, key=key)
+
+
+_TRANSIENT_POLL_ERRORS = frozenset(
+    {confluent_kafka.KafkaError._PARTITION_EOF, confluent_kafka.KafkaError._MAX_POLL_EXCEEDED}
+)
+
+
+def _int_param(query: Mapping[str, str], name: str, url: str) -> int | None:
+    if name not in query:
+        return None
+    try:
+        return int(query[name])
+    except ValueError as exc:
+        raise ConfigurationError(f"bad {name} in {url!r}") from exc
 
 
 class KafkaDelivery(Delivery):
