@@ -43,3 +43,35 @@ def test_half_partition_loses_the_reply_not_the_write() -> None:
         client.close()
         direct.close()
         proxy.close()
+
+
+def test_a_partition_spares_connections_without_the_victim_marker() -> None:
+    """Kafka's case: every client goes through the proxy, only the producer loses replies."""
+    require_service("redis")
+    proxy = FaultProxy("127.0.0.1", 6379, victim=b"chaos-victim")
+    stream = unique("chaos_proxy_victim")
+    direct = redis.Redis(host="127.0.0.1", port=6379)
+    # The first command on each connection names the client, as a Kafka request header does.
+    victim = redis.Redis(
+        host="127.0.0.1",
+        port=proxy.port,
+        socket_timeout=0.3,
+        retry=None,
+        client_name="chaos-victim",
+    )
+    spared = redis.Redis(
+        host="127.0.0.1", port=proxy.port, socket_timeout=0.3, retry=None, client_name="bystander"
+    )
+    try:
+        victim.ping()
+        spared.ping()
+        proxy.partition(0.6)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            victim.xadd(stream, {"who": "victim"})  # landed, reply dropped
+        spared.xadd(stream, {"who": "bystander"})  # same proxy, same window: untouched
+        assert direct.xlen(stream) == 2
+    finally:
+        direct.delete(stream)
+        for client in (victim, spared, direct):
+            client.close()
+        proxy.close()

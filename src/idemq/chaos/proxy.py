@@ -11,6 +11,11 @@ when the window ends every connection that lost bytes is reset, as a real partit
 the heartbeat would; clients reconnect (new connections made *during* the window are
 half-partitioned too, so a retry inside the window duplicates again — also real).
 
+A partition can spare some connections: with ``victim`` set, only connections whose bytes from
+the client contained it are cut (Kafka: every client goes through the proxy, since it is the
+broker's advertised listener, but only the producer — found by its ``client.id``, which every
+Kafka request carries — must lose its replies).
+
 Safety: the proxy listens on and connects to ``127.0.0.1`` only (:func:`loopback_only`); it
 runs its own event loop in a daemon thread and stops with :meth:`close`.
 """
@@ -53,9 +58,12 @@ def loopback_only(host: str) -> str:
 class _Link:
     """One proxied connection; ``tainted`` once a broker→client byte was dropped."""
 
-    def __init__(self, client: asyncio.StreamWriter, server: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, client: asyncio.StreamWriter, server: asyncio.StreamWriter, *, victim: bool
+    ) -> None:
         self.client = client
         self.server = server
+        self.victim = victim  # partitions cut this connection
         self.tainted = False
 
     def reset(self) -> None:
@@ -68,7 +76,9 @@ class _Link:
 class FaultProxy:
     """Forwards ``127.0.0.1:<port>`` to ``127.0.0.1:<upstream_port>``; can half-partition.
 
-    ``clock_s`` is injected so tests of the window logic need no sleeping.
+    ``listen_port`` 0 picks a free port. ``victim``: partition only connections whose client
+    bytes contained it (None: every connection). ``clock_s`` is injected so tests of the
+    window logic need no sleeping.
     """
 
     def __init__(
@@ -76,9 +86,13 @@ class FaultProxy:
         upstream_host: str,
         upstream_port: int,
         *,
+        listen_port: int = 0,
+        victim: bytes | None = None,
         clock_s: Callable[[], float] = time.monotonic,
     ) -> None:
         self.upstream = (loopback_only(upstream_host), upstream_port)
+        self._listen_port = listen_port
+        self._victim = victim
         self._clock_s = clock_s
         self._until_s = 0.0
         self._links: set[_Link] = set()
@@ -116,7 +130,11 @@ class FaultProxy:
             self._server.close()
             for link in list(self._links):
                 link.reset()
-            await asyncio.sleep(0)
+            # Let the reset connections' pumps see the reset and end (Kafka's consumers go
+            # through the proxy too), rather than die as "task destroyed but pending".
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if tasks:
+                await asyncio.wait(tasks, timeout=1.0)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
@@ -127,7 +145,7 @@ class FaultProxy:
     # -- loop thread -------------------------------------------------------------------------
 
     async def _listen(self) -> asyncio.Server:
-        return await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return await asyncio.start_server(self._accept, "127.0.0.1", self._listen_port)
 
     def _heal(self) -> None:
         if self.partitioned():  # a later window extended the partition
@@ -142,7 +160,7 @@ class FaultProxy:
         except OSError:
             writer.transport.abort()
             return
-        link = _Link(writer, up_writer)
+        link = _Link(writer, up_writer, victim=self._victim is None)
         self._links.add(link)
         try:
             await asyncio.gather(
@@ -158,7 +176,9 @@ class FaultProxy:
     ) -> None:
         try:
             while chunk := await src.read(_CHUNK):
-                if drops and self.partitioned():
+                if not (drops or link.victim) and self._victim and self._victim in chunk:
+                    link.victim = True  # the client named itself (Kafka: in every request)
+                if drops and link.victim and self.partitioned():
                     link.tainted = True
                     self.dropped_bytes += len(chunk)
                     continue
