@@ -117,6 +117,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         seed=args.seed,
         keep=args.keep,
         rate_per_s=args.rate,
+        tune_broker=args.tune_broker,
     )
     if args.json:
         result = run_chaos(config)
@@ -391,6 +392,11 @@ def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
     chaos.add_argument("--seed", type=int, default=7)
     chaos.add_argument("--rate", type=float, default=0.0, help="messages/s (default: unpaced)")
     chaos.add_argument("--keep", action="store_true", help="keep tables, keys and queue")
+    chaos.add_argument(
+        "--tune-broker",
+        action="store_true",
+        help="RabbitMQ < 3.12: shorten the server-wide consumer_timeout for the run (restored)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list of commands)

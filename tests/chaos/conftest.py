@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from idemq.chaos import ChaosConfig, ChaosResult, run_chaos
+from tests.integration.brokers.test_kafka import run_tansu
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 # Causes off unless a test turns them on: "each cause alone" means exactly that.
@@ -39,3 +44,22 @@ def embedded(tmp_path: Path) -> str:
 
 def sqlite(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'ledger.db'}"
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def kafka_behind_proxy() -> Iterator[str]:
+    """A Tansu of its own that advertises a port nobody listens on yet: the chaos run's proxy.
+
+    Returns ``kafka://127.0.0.1:<listener>?chaos_proxy=<advertised>``: the run serves the
+    advertised port with its :class:`~idemq.chaos.proxy.FaultProxy`, so every client reaches
+    the broker through it, and it can cut the producer's connections (cause 1 on Kafka).
+    """
+    advertised = free_port()
+    with run_tansu(free_port(), advertised_port=advertised) as bootstrap:
+        yield f"kafka://{bootstrap}?chaos_proxy={advertised}"

@@ -13,6 +13,7 @@ distinct message ids with a debit, ``double_applied`` those with more than one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import tempfile
@@ -26,8 +27,16 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from idemq.brokers.base import mask_url
+from idemq.chaos import faults, rabbitmq_timeout
 from idemq.chaos.events import CAUSES, Tally
-from idemq.chaos.faults import ProducerBroker, capabilities, open_producer, redelivery_s, worker_url
+from idemq.chaos.faults import (
+    ProducerBroker,
+    capabilities,
+    open_producer,
+    redelivery_s,
+    slow_s,
+    worker_url,
+)
 from idemq.chaos.invariants import check_invariants
 from idemq.chaos.orders import OrderTables, create_schema, drop_schema, make_engine, seed
 from idemq.chaos.proxy import FaultProxy
@@ -66,6 +75,9 @@ class ChaosConfig:
     accounts: int = 10
     rate_per_s: float = 0.0  # producer pace (0 = as fast as confirms come): steady traffic
     opening_balance_cents: int = OPENING_BALANCE  # per account; never short, so only duplicates
+    # May the run change a server-wide broker setting for its duration (RabbitMQ before 3.12:
+    # consumer_timeout, the only way to get cause 2 there)? Restored afterwards.
+    tune_broker: bool = False
 
 
 def run_chaos(
@@ -92,7 +104,7 @@ class _Run:
             if self.redis_store
             else config.store_url
         )
-        self.caps = capabilities(config.broker_url)
+        self.caps = capabilities(config.broker_url, tune_broker=config.tune_broker)
         self.tables = OrderTables.build(self.prefix)
         self.result = ChaosResult(
             broker=mask_url(config.broker_url),
@@ -133,7 +145,8 @@ class _Run:
             )
             try:
                 producer.declare(self.queue)
-                self._supervise(producer, proxy)
+                with self._tuned_broker():
+                    self._supervise(producer, proxy)
                 self._verdict(engine)
             finally:
                 if not self.config.keep:
@@ -147,12 +160,33 @@ class _Run:
             engine.dispose()
         return self.result
 
+    def _tuned_broker(self) -> contextlib.AbstractContextManager[None]:
+        """RabbitMQ's short consumer_timeout for the run, when slow handlers need it."""
+        if not (self.caps.tuned and self.config.slow_rate > 0):
+            return contextlib.nullcontext()
+        self.result.notes.append(
+            "changed RabbitMQ's server-wide consumer_timeout to"
+            f" {faults.RABBITMQ_CONSUMER_TIMEOUT_MS} ms (channel tick {faults.RABBITMQ_TICK_MS}"
+            " ms) for this run's channels; restored afterwards"
+        )
+        return rabbitmq_timeout.consumer_timeout(
+            self.config.broker_url,
+            timeout_ms=faults.RABBITMQ_CONSUMER_TIMEOUT_MS,
+            tick_ms=faults.RABBITMQ_TICK_MS,
+            hold_s=self.config.timeout_s + 60,  # the node restores by itself if we die
+        )
+
     def _notes(self) -> None:
         c, caps = self.config, self.caps
         if c.partition_rate > 0 and not caps.partition:
             self.result.notes.append(f"partition not injected: {caps.partition_note}")
         if c.slow_rate > 0 and not caps.slow:
             self.result.notes.append(f"slow consumers not injected: {caps.slow_note}")
+        kafka = faults.scheme_of(c.broker_url) == "kafka"
+        if c.slow_rate > 0 and caps.slow and kafka and c.workers < 2:
+            self.result.notes.append(
+                "Kafka slow handlers need 2+ workers: nobody else can take the partition"
+            )
         if self.redis_store and c.guard:
             self.result.notes.append(
                 "Redis store: lease mode; the order state machine guards the ledger effect"
@@ -187,7 +221,7 @@ class _Run:
             events_dir=str(self.events_dir),
             guard=c.guard,
             slow_rate=c.slow_rate if self.caps.slow else 0.0,
-            slow_s=1.5 * redelivery_s(worker_url(c.broker_url)),
+            slow_s=slow_s(c.broker_url, self.caps),
             slow_before_claim=self.ledger_url.startswith("sqlite"),
             lease_s=c.lease_s,
             seed=c.seed,
@@ -218,7 +252,7 @@ class _Run:
         thread.start()
         reader = sa.create_engine(self.ledger_url)  # plain reads: no BEGIN IMMEDIATE needed
         applied, last_count, quiet_since, next_read = 0, -1, time.monotonic(), 0.0
-        quiet_s = min(2 * redelivery_s(worker_url(c.broker_url)) + 1.0, 15.0)
+        quiet_s = min(2 * redelivery_s(worker_url(c.broker_url)) + self.caps.handover_s + 1, 15.0)
         try:
             while True:
                 now = time.monotonic()
