@@ -8,6 +8,7 @@ import pytest
 
 from idemq.chaos import faults
 from idemq.chaos.faults import capabilities, redelivery_s, slow_s, worker_url
+from idemq.chaos.rabbitmq_timeout import consumer_timeout
 from idemq.errors import ConfigurationError
 
 
@@ -62,3 +63,11 @@ def test_rabbitmq_slow_handlers_need_the_opt_in() -> None:
             tuned.redelivery_s
             == (faults.RABBITMQ_CONSUMER_TIMEOUT_MS + faults.RABBITMQ_TICK_MS) / 1000
         )
+
+
+def test_tuning_refuses_a_broker_that_is_not_this_machine() -> None:
+    with (
+        pytest.raises(ConfigurationError, match="broker on 127"),
+        consumer_timeout("amqp://g:g@10.0.0.5:5672/", timeout_ms=2000, tick_ms=250, hold_s=5),
+    ):
+        pass  # never reached: nothing is changed on any node

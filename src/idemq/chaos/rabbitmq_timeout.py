@@ -110,7 +110,12 @@ def consumer_timeout(
     Channels opened inside the block time out slow consumers after ``timeout_ms`` to
     ``timeout_ms + tick_ms``. Restored on exit, or by the node itself after ``hold_s``.
     """
-    loopback_only(urlsplit(broker_url).hostname or "127.0.0.1")  # rabbitmqctl = this machine
+    try:
+        loopback_only(urlsplit(broker_url).hostname or "127.0.0.1")
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            "rabbitmqctl changes the node on this machine: tuning needs a broker on 127.0.0.1"
+        ) from exc
     token = uuid.uuid4().hex
     names = {"N": HOLDER, "T": token}
     answer = _eval(
