@@ -43,6 +43,8 @@ __all__ = [
     "claim_many_call",
     "claim_many_result",
     "claim_result",
+    "claim_set",
+    "claim_set_result",
     "complete_call",
     "complete_result",
     "find",
@@ -174,7 +176,7 @@ def parse_record(key: Key, stored: bytes | str | None) -> Record | None:
         raise StoreError(f"malformed idemq record for {key!r}: {values[:6]!r}") from exc
 
 
-def _claim_args(layout: Layout, request: ClaimRequest) -> tuple[str | int, ...]:
+def _claim_args(layout: Layout, request: ClaimRequest) -> tuple[str, int, int, int, str, str]:
     owner = request.owner
     business_id = request.business_id or ""
     payload_hash = request.payload_hash or ""
@@ -195,14 +197,43 @@ def _claim_args(layout: Layout, request: ClaimRequest) -> tuple[str | int, ...]:
     )
 
 
+def claim_set(layout: Layout, request: ClaimRequest) -> tuple[bytes | str | int, ...]:
+    """The first try at a claim: ``SET key <PROCESSING record> NX PX gc GET`` (Redis >= 7.0).
+
+    One native command, no script: it creates the record when there is none and otherwise
+    hands back the stored one untouched — for a duplicate, the whole answer. Only a PROCESSING
+    record that may be taken over needs the claim script (see :func:`claim_set_result`).
+    """
+    owner, now_ms, until_ms, gc_ms, business_id, payload_hash = _claim_args(layout, request)
+    # The same record the claim script writes for a fresh claim (FIELDS order, NUL-joined).
+    record = "\0".join(
+        ("0", owner, str(until_ms), "1", str(now_ms), "", business_id, payload_hash, "")
+    )
+    return (b"SET", layout.key(request.key), record, b"NX", b"PX", gc_ms, b"GET")
+
+
+def claim_set_result(request: ClaimRequest, stored: bytes | str | None) -> Claim | None:
+    """The claim that :func:`claim_set` decided, or ``None``: run :func:`claim_call` next.
+
+    ``None`` for a PROCESSING record whose lease has expired (a takeover, if the payload
+    allows) or that is already ``request.owner``'s (a replayed claim). The script judges
+    those atomically, so a record that changed in between is judged as it is then.
+    """
+    if stored is None:
+        return Claim.won()
+    record = parse_record(request.key, stored)
+    if record is None:  # unreachable: parse_record maps only None to None
+        raise StoreError(f"unexpected claim reply for {request.key!r}: {stored!r}")
+    if record.status is RecordStatus.PROCESSING and (
+        record.owner == request.owner or record.lease_expired(request.now_ms)
+    ):
+        return None
+    return Claim.lost_to(record)
+
+
 def claim_call(layout: Layout, request: ClaimRequest) -> RunScript:
-    """The claim of one message (one round trip); read the reply with :func:`claim_result`."""
-    args = _claim_args(layout, request)
-    if not args[5]:
-        # The script reads a left-off business id or payload hash as '': each argument left
-        # off is one fewer for redis-py to encode, and most messages carry neither.
-        args = args[:5] if args[4] else args[:4]
-    return RunScript(CLAIM, (layout.key(request.key),), args)
+    """The claim script for one message; read the reply with :func:`claim_result`."""
+    return RunScript(CLAIM, (layout.key(request.key),), _claim_args(layout, request))
 
 
 def claim_result(key: Key, reply: Any) -> Claim:

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 CLAIM_ARGC = 6
-"""ARGV values per claimed message (CLAIM_MANY; CLAIM may leave the last two off)."""
+"""ARGV values per claimed message (CLAIM and CLAIM_MANY)."""
 
 FIELDS = ("s", "o", "l", "a", "c", "p", "b", "h", "r")
 """The values of a record, in their stored order."""
@@ -98,9 +98,9 @@ CLAIM = LuaScript(
     + """
 -- KEYS[1] record
 -- ARGV[1] owner  ARGV[2] now_ms  ARGV[3] lease_until_ms  ARGV[4] gc_ms
--- ARGV[5] business_id, ARGV[6] payload_hash: optional ('' or left off = none)
+-- ARGV[5] business_id ('' = none)  ARGV[6] payload_hash ('' = none)
 -- Returns 1 (claimed: fresh or takeover) or the existing record as stored.
-return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] or '', ARGV[6] or '')
+return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 """,
 )
 
