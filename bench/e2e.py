@@ -27,7 +27,7 @@ database whatever the consumer: a batch still runs each message's three statemen
 trip each; only the commit (its WAL flush) and the claim are shared.
 
     python bench/e2e.py [--n 5000] [--repeat 3] [--only amqp,redis,nats]
-    python bench/e2e.py --memory 100000          # RSS of one worker over 100k messages
+    python bench/e2e.py --memory 100000 [--memory-kind batch] [--memory-broker nats]
 """
 
 from __future__ import annotations
@@ -270,12 +270,12 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def memory(n: int, kind: str, every: int = 10_000) -> None:
+def memory(n: int, kind: str, broker: str, every: int = 10_000) -> None:
     reset(n)
     queue = f"{P}mem_{os.getpid()}"
-    publish(REDIS_URL, queue, n)
+    publish(BROKERS[broker], queue, n)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "IDEMQ_E2E_PREFIX": P}
-    proc = subprocess.Popen(command(kind, "redis", queue), env=env, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(kind, broker, queue), env=env, stderr=subprocess.DEVNULL)
     samples: list[tuple[int, int]] = []
     try:
         with psycopg.connect(PG_DSN, autocommit=True) as conn:
@@ -289,13 +289,13 @@ def memory(n: int, kind: str, every: int = 10_000) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-        cleanup("redis", queue)
+        cleanup(broker, queue)
     for done, kib in samples:
-        print(f"memory[{kind}] after {done:>7} msgs: VmRSS {kib / 1024:7.1f} MiB")
+        print(f"memory[{broker} {kind}] after {done:>7} msgs: VmRSS {kib / 1024:7.1f} MiB")
     warm = [kib for _, kib in samples[1:]]  # first sample = warm-up (imports, pools, caches)
     drift = (warm[-1] - warm[0]) / warm[0] * 100
     print(
-        f"memory[{kind}] after warm-up: min {min(warm) / 1024:.1f} MiB, "
+        f"memory[{broker} {kind}] after warm-up: min {min(warm) / 1024:.1f} MiB, "
         f"max {max(warm) / 1024:.1f} MiB, drift {drift:+.1f} %, "
         f"spread {(max(warm) - min(warm)) / min(warm) * 100:.1f} %"
     )
@@ -311,6 +311,7 @@ def main() -> None:
     parser.add_argument("--only", default="amqp,redis,nats")
     parser.add_argument("--memory", type=int, help="RSS of one worker over N messages instead")
     parser.add_argument("--memory-kind", default="idemq", choices=["idemq", "batch"])
+    parser.add_argument("--memory-broker", default="redis", choices=list(BROKERS))
     parser.add_argument("--raw", choices=list(BROKERS), help=argparse.SUPPRESS)
     parser.add_argument("--queue", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -322,7 +323,7 @@ def main() -> None:
         return
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.memory:
-        memory(args.memory, args.memory_kind)
+        memory(args.memory, args.memory_kind, args.memory_broker)
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         return
     print(
