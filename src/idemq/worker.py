@@ -13,9 +13,8 @@ default) the handler runs in the consuming thread itself (:mod:`idemq._executors
 
 Settling does not wait for the broker where its client queues acks (RabbitMQ, NATS): a failed
 ack is reported later through its future, logged and counted in ``stats.settle_failures``, and
-``broker.close()`` sends what is still queued. SIGTERM/SIGINT stop the
-pulling, let in-flight handlers finish and settle, then close the broker: nothing in flight is
-lost or acked early.
+``broker.close()`` sends what is still queued. SIGTERM/SIGINT stop the pulling, let in-flight
+handlers finish and settle, then close the broker: nothing in flight is lost or acked early.
 """
 
 from __future__ import annotations
