@@ -9,8 +9,10 @@
   XAUTOCLAIM picks it up after ``delay_s`` (JUSTID: the attempt counter is not bumped twice).
 * Dead letter: ``XADD <stream>.dlq`` and ``XACK`` in one MULTI/EXEC — moved, never lost nor
   duplicated.
-* A batch's acks go out as one ``XACK`` with every entry id (``settle_group``): one round trip
-  instead of one per message.
+* Acks are held and sent together: one ``XACK`` per stream with every held entry id, before the
+  next read, once ``ACK_BATCH`` are held (a batch's acks at once) and on ``close()`` — one round
+  trip instead of one per message. An ack held when the process dies is a pending entry like
+  any unacked one: XAUTOCLAIM redelivers it and the guard answers DUPLICATE.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -39,6 +42,9 @@ __all__ = ["RedisStreamsBroker"]
 
 _DRIVER_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
+# Held acks go out once this many are held, if no read came first (a batch of 100: at once).
+ACK_BATCH = 100
+
 
 class RedisStreamsBroker:
     """Streams as queues, one consumer group (``group``) per queue."""
@@ -55,6 +61,9 @@ class RedisStreamsBroker:
         self.group = group
         self.claim_idle_ms = claim_idle_ms
         self.block_ms = block_ms
+        self._held: list[tuple[str, list[bytes], Future[None]]] = []  # acks not sent yet
+        self._held_count = 0
+        self._held_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str) -> RedisStreamsBroker:
@@ -105,6 +114,7 @@ class RedisStreamsBroker:
         self.declare(queue)
         consumer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         while True:
+            self.send_acks()  # before reading: XAUTOCLAIM must not hand back what is done
             deliveries = self._claim_idle(queue, consumer, prefetch)
             if not deliveries:
                 deliveries = self._read_new(queue, consumer, prefetch)
@@ -113,19 +123,42 @@ class RedisStreamsBroker:
             yield from deliveries
 
     def close(self) -> None:
-        """Close the connection pool; pending entries are reclaimed by other consumers."""
-        self.client.close()
+        """Send the held acks, close the connection pool; pending entries are reclaimed by other
+        consumers."""
+        try:
+            self.send_acks()
+        finally:
+            self.client.close()
 
     def ack_entries(self, queue: str, entry_ids: list[bytes]) -> Future[None]:
-        """``XACK`` every entry id in one command; a done future, holding the error if it failed."""
+        """Hold the acks of ``entry_ids`` (see the module doc); the future completes when
+        :meth:`send_acks` sent them, with the error if that failed."""
         future: Future[None] = Future()
-        try:
-            self._call(self.client.xack, queue, self.group, *entry_ids)
-        except BrokerUnavailableError as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
+        with self._held_lock:
+            self._held.append((queue, entry_ids, future))
+            self._held_count += len(entry_ids)
+            full = self._held_count >= ACK_BATCH
+        if full:
+            self.send_acks()
         return future
+
+    def send_acks(self) -> None:
+        """``XACK`` every held entry, one command per stream; never raises (see the futures)."""
+        with self._held_lock:
+            held, self._held, self._held_count = self._held, [], 0
+        streams: dict[str, list[tuple[list[bytes], Future[None]]]] = {}
+        for queue, entry_ids, future in held:
+            streams.setdefault(queue, []).append((entry_ids, future))
+        for queue, acks in streams.items():
+            entry_ids = [entry_id for ids, _ in acks for entry_id in ids]
+            try:
+                self._call(self.client.xack, queue, self.group, *entry_ids)
+            except BrokerUnavailableError as exc:
+                for _, future in acks:
+                    future.set_exception(exc)
+            else:
+                for _, future in acks:
+                    future.set_result(None)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -207,7 +240,7 @@ class RedisStreamsDelivery(Delivery):
 
     @classmethod
     def settle_group(cls, pairs: Sequence[tuple[Delivery, Settlement]]) -> list[Future[None]]:
-        """The acks of one stream in one ``XACK``; retries and dead letters one by one."""
+        """The acks of one stream held together; retries and dead letters one by one."""
         futures: dict[int, Future[None]] = {}
         acks: dict[tuple[RedisStreamsBroker, str], list[tuple[int, RedisStreamsDelivery]]] = {}
         for i, (delivery, settlement) in enumerate(pairs):
