@@ -3,20 +3,23 @@
 Run:  python bench/redis_store.py [--url redis://127.0.0.1:6379/0] [-n 20000] [--rounds 3]
 
 Two passes per contender, each over N fresh message ids:
-* first pass  — a new message: claim, then mark done (idemq: claim + complete, two EVALSHA);
-* duplicates  — every id already done: the claim must answer "duplicate" (idemq: one EVALSHA
-  that returns the stored record, so the result can be replayed).
+* first pass  — a new message: claim, then mark done (idemq: ``SET … NX PX … GET`` + the
+  complete script);
+* duplicates  — every id already done: the claim must answer "duplicate" (idemq: one
+  ``SET … NX PX … GET`` that returns the stored record, so the result can be replayed).
 Baselines: ``SET k P NX PX`` then ``SET k D XX EX`` (first pass), a bare ``SET k P NX``
 (duplicates). Powertools (``idempotent_function`` + its Redis layer) is measured when importable:
 install it into a separate venv, never into idemq's dependencies, and put both on the path, e.g.
 ``PYTHONPATH=src /tmp/benchvenv/bin/python bench/redis_store.py``.
 All contenders share one client (one connection pool); each keeps the best of ``--rounds`` after
-a warm-up. Prints msg/s per contender and the ratios against the targets of issue 4.
+a warm-up. Prints msg/s per contender, the ratios against the targets of issue 4 and the load
+average before and after (ratios from a loaded machine say little: rerun when it is quiet).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import uuid
 import warnings
@@ -143,6 +146,10 @@ def _cleanup(client: redis.Redis) -> None:
             client.unlink(*batch)
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
@@ -154,6 +161,7 @@ def main() -> None:
     store = RedisStore(client, prefix="idemqbench", ttl_s=TTL_S)
     n, rounds = args.n, args.rounds
     print(f"redis_store bench: N={n}, best of {rounds}, one shared client, {args.url}")
+    print(f"load average before: {_load()}")
 
     first: list[tuple[str, Loop, Loop | None]] = [
         ("bare SET NX PX + SET XX EX", bare_first(client), None),
@@ -205,6 +213,7 @@ def main() -> None:
         ratio("idemq Idempotency(lease)", "powertools idempotent_function", 1.2)
         ratio("idemq RedisStore claim (dup)", "powertools (dup)", 3.0)
         ratio("idemq Idempotency(lease) (dup)", "powertools (dup)", 3.0)
+    print(f"load average after: {_load()}")
     client.close()
 
 
