@@ -71,3 +71,16 @@ def test_tuning_refuses_a_broker_that_is_not_this_machine() -> None:
         consumer_timeout("amqp://g:g@10.0.0.5:5672/", timeout_ms=2000, tick_ms=250, hold_s=5),
     ):
         pass  # never reached: nothing is changed on any node
+
+
+def test_the_kafka_producer_accepts_a_url_with_only_a_poll_interval() -> None:
+    # The user's max_poll_interval_ms=2000 is below Kafka's default session (10 s): the
+    # producer must get the workers' consistent timers, not a ConfigurationError.
+    producer, proxy = faults.open_producer(
+        "kafka://127.0.0.1:1?max_poll_interval_ms=2000", confirm_timeout_s=0.5, partitions=False
+    )
+    try:
+        assert proxy is None
+        assert producer.inner.timeout_s == 0.5  # type: ignore[attr-defined]
+    finally:
+        producer.close()

@@ -298,7 +298,8 @@ def _open_kafka_producer(
     # the Publisher retries (a new record) instead of waiting the partition out.
     settings = {"client_id": KAFKA_PRODUCER_ID, "timeout_ms": str(int(confirm_timeout_s * 1000))}
     try:
-        inner = open_broker(_with_query(url, settings, drop=(KAFKA_PROXY_PARAM,)))
+        # The workers' timers too: a poll interval the user gave needs a session below it.
+        inner = open_broker(_with_query(worker_url(url), settings))
     except BaseException:
         if proxy is not None:
             proxy.close()
