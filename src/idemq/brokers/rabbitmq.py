@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import aio_pika
+import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
 from idemq.brokers._aioloop import Inbox, LoopThread, Settler
@@ -36,7 +37,14 @@ from idemq.errors import BrokerUnavailableError
 
 __all__ = ["RabbitMQBroker"]
 
-_DRIVER_ERRORS = (aio_pika.exceptions.AMQPException, OSError, asyncio.TimeoutError)
+# ChannelInvalidStateError (a RuntimeError): an operation on a channel the broker closed, e.g.
+# a late ack after RabbitMQ's consumer_timeout.
+_DRIVER_ERRORS = (
+    aio_pika.exceptions.AMQPException,
+    aiormq.exceptions.ChannelInvalidStateError,
+    OSError,
+    asyncio.TimeoutError,
+)
 
 
 def _text(value: Any) -> str:

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -84,18 +85,18 @@ class _Faulty(Delivery):
         self._armed = armed
         self._log = log
 
-    def _ack(self) -> None:
+    def _ack(self) -> Future[None]:
         if self._armed.is_set():
             # The effect is committed; the ack never leaves. The broker must redeliver.
             self._log.write("kill", where="after_commit_before_ack")
             os.kill(os.getpid(), signal.SIGKILL)
-        self.inner.ack()
+        return self.inner.ack()  # its future: a failed ack is counted, not dropped
 
-    def _retry(self, delay_s: float) -> None:
-        self.inner.retry(delay_s)
+    def _retry(self, delay_s: float) -> Future[None]:
+        return self.inner.retry(delay_s)
 
-    def _dead_letter(self, reason: str) -> None:
-        self.inner.dead_letter(reason)
+    def _dead_letter(self, reason: str) -> Future[None]:
+        return self.inner.dead_letter(reason)
 
 
 class _FaultyBroker:
