@@ -119,7 +119,7 @@ class _RedisStoreBase:
 
 
 class RedisStore(_RedisStoreBase):
-    """Lease-mode dedup store on Redis (one string per record, one Lua round trip per primitive).
+    """Lease-mode dedup store on Redis (one string per record, one round trip per primitive).
 
     ``client_or_url``: a ``redis.Redis`` (shared, not closed by :meth:`close`) or a
     ``redis://``/``rediss://``/``unix://`` URL (the store owns that client). ``ttl_s``: how long a
@@ -161,9 +161,9 @@ class RedisStore(_RedisStoreBase):
     def _execute(self, step: Step) -> Any:
         if isinstance(step, RunScript):
             return self._run(step)
+        if isinstance(step, Call):
+            return self._call(step.args, _action(step))
         try:
-            if isinstance(step, Call):
-                return self._command(*step.args)
             if isinstance(step, Batch):
                 pipe: Any = self._client.pipeline(transaction=False)  # redis-py leaves it untyped
                 for call in step.calls:
@@ -277,9 +277,9 @@ class AsyncRedisStore(_RedisStoreBase):
     async def _execute(self, step: Step) -> Any:
         if isinstance(step, RunScript):
             return await self._run(step)
+        if isinstance(step, Call):
+            return await self._call(step.args, _action(step))
         try:
-            if isinstance(step, Call):
-                return await self._command(*step.args)
             if isinstance(step, Batch):
                 pipe: Any
                 async with self._client.pipeline(transaction=False) as pipe:
