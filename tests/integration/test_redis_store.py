@@ -32,6 +32,7 @@ from idemq.errors import (
 )
 from idemq.stores.base import AsyncStore, ClaimRequest, Key, RecordStatus, Store
 from idemq.stores.redis import AsyncRedisStore, RedisStore
+from idemq.stores.redis_io import translate_error
 from idemq.stores.redis_ops import Layout
 from tests.conftest import REDIS_URL, port_open, unique
 
@@ -330,6 +331,18 @@ def test_unreachable_server_is_store_unavailable_without_password() -> None:
     assert f"127.0.0.1:{port}" in str(info.value)
     assert isinstance(info.value.__cause__, redis.ConnectionError)
     store.close()
+
+
+def test_a_server_that_cannot_parse_the_claim_is_named_too_old(
+    client: redis.Redis, prefix: str
+) -> None:
+    # Redis < 7.0 answers SET … NX … GET with "syntax error"; provoke the same reply for real.
+    with pytest.raises(redis.ResponseError) as raw:
+        client.execute_command("SET", f"{prefix}x", "v", "NX", "NOT-AN-OPTION")
+    error = translate_error(raw.value, "claim", "127.0.0.1:6379/0")
+    assert type(error) is StoreError
+    assert "needs Redis >= 7.0" in str(error)
+    assert "claim" in str(error)
 
 
 def test_foreign_key_under_the_prefix_is_a_store_error(

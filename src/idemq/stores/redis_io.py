@@ -178,6 +178,11 @@ def translate_error(exc: rx.RedisError, action: str, server: str) -> StoreError:
         return StoreUnavailableError(f"redis {server} unavailable during {action} ({reason})")
     if isinstance(exc, rx.ResponseError) and str(exc).startswith(_UNAVAILABLE_REPLIES):
         return StoreUnavailableError(f"redis {server} not serving {action} ({reason})")
+    if isinstance(exc, rx.ResponseError) and str(exc).startswith("syntax error"):
+        # idemq's commands are fixed; a server that cannot parse them is too old (SET … NX GET).
+        return StoreError(
+            f"redis {server} rejected {action} ({reason}): RedisStore needs Redis >= 7.0"
+        )
     return StoreError(f"redis {server} failed {action} ({reason})")
 
 
