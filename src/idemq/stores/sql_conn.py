@@ -182,7 +182,8 @@ def run(conn: Connection, plan: Plan) -> Any:
     """
     dbapi_conn = conn.connection.dbapi_connection
     cursor = dbapi_conn.cursor()  # type: ignore[union-attr]
-    sql, params = "", dict[str, Any]()
+    sql: str = ""
+    params: dict[str, Any] = {}
     try:
         step = next(plan)
         while True:
