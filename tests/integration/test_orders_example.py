@@ -90,7 +90,7 @@ def shop(sql_url: str) -> Iterator[Shop]:
     finally:
         drop_schema(store.engine, service.tables)
         store.drop_schema()
-        store.engine.dispose()
+        store.close()
 
 
 def test_pay_redelivery_resend_and_ship(shop: Shop) -> None:

@@ -143,7 +143,7 @@ class FastStreamContract(abc.ABC):
         async with store.engine.begin() as conn:
             await conn.execute(sa.text(f"DROP TABLE {db.table}"))
         await store.drop_schema()
-        await store.engine.dispose()
+        await store.close()
 
     @pytest.fixture
     def name(self) -> str:

@@ -87,7 +87,7 @@ async def test_reject_routes_a_poison_message_to_the_queues_dead_letter_exchange
     finally:
         await broker.stop()
         await store.drop_schema()
-        await store.engine.dispose()
+        await store.close()
 
 
 async def test_ack_first_subscriber_is_refused(tmp_path: Any) -> None:
@@ -127,7 +127,7 @@ async def test_ack_first_subscriber_is_refused(tmp_path: Any) -> None:
     assert ran == []
     assert await store.get("m-1", consumer=name) is None
     await store.drop_schema()
-    await store.engine.dispose()
+    await store.close()
 
 
 async def test_smoke_with_faststream_test_broker(tmp_path: Any) -> None:
@@ -152,4 +152,4 @@ async def test_smoke_with_faststream_test_broker(tmp_path: Any) -> None:
     assert record is not None
     assert record.result == '{"ok":1}'
     await store.drop_schema()
-    await store.engine.dispose()
+    await store.close()
