@@ -75,9 +75,7 @@ class QueuedAckContract(BrokerContract):
     def test_close_sends_the_queued_acks(
         self, broker_url: str, queue: str, publisher: Broker
     ) -> None:
-        ids = [f"F{i}_{queue}" for i in range(3)]
-        for message_id in ids:
-            publisher.publish(queue, b"{}", message_id=message_id)
+        ids = publish_ids(publisher, queue, "F", 3)
         broker = open_broker(broker_url)
         deliveries = take(broker, queue, len(ids))
         freeze_loop(broker, 1.0)
@@ -135,6 +133,14 @@ class QueuedAckContract(BrokerContract):
         assert worker.stats.verdicts[Verdict.PROCESSED] == 1
         assert worker.stats.settle_failures == 1
         assert business.counts() == Counter({message_id: 1})
+
+
+def publish_ids(publisher: Broker, queue: str, tag: str, n: int) -> list[str]:
+    """Publish ``n`` empty messages with ids ``<tag><i>_<queue>``; return the ids."""
+    ids = [f"{tag}{i}_{queue}" for i in range(n)]
+    for message_id in ids:
+        publisher.publish(queue, b"{}", message_id=message_id)
+    return ids
 
 
 def take(broker: Broker, queue: str, n: int, timeout_s: float = 20.0) -> list[Delivery]:

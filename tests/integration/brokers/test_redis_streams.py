@@ -11,7 +11,7 @@ from idemq.brokers.base import Broker
 from idemq.brokers.redis_streams import RedisStreamsBroker
 
 from .contract import BrokerContract
-from .queued_acks import take
+from .queued_acks import publish_ids, take
 
 pytestmark = pytest.mark.redis
 
@@ -27,9 +27,7 @@ class TestRedisStreams(BrokerContract):
     def test_acks_are_held_until_the_next_read_or_close(
         self, broker_url: str, queue: str, publisher: Broker
     ) -> None:
-        ids = [f"H{i}_{queue}" for i in range(3)]
-        for message_id in ids:
-            publisher.publish(queue, b"{}", message_id=message_id)
+        ids = publish_ids(publisher, queue, "H", 3)
         broker = open_broker(broker_url)
         acks = [delivery.ack() for delivery in take(broker, queue, len(ids))]
         assert not any(ack.done() for ack in acks), "held, to go out in one XACK"
@@ -45,9 +43,7 @@ class TestRedisStreams(BrokerContract):
     def test_held_acks_of_a_dead_consumer_are_redelivered(
         self, broker_url: str, queue: str, publisher: Broker
     ) -> None:
-        ids = [f"D{i}_{queue}" for i in range(2)]
-        for message_id in ids:
-            publisher.publish(queue, b"{}", message_id=message_id)
+        ids = publish_ids(publisher, queue, "D", 2)
         dying = open_broker(broker_url)
         assert isinstance(dying, RedisStreamsBroker)
         for delivery in take(dying, queue, len(ids)):
