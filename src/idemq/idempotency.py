@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from idemq.core import (
     NULL_RESULT,
@@ -60,6 +60,7 @@ from idemq.stores.base import (
 __all__ = ["AsyncIdempotency", "Idempotency"]
 
 T = TypeVar("T")
+S = TypeVar("S", "Store", "AsyncStore")
 CLAIM_ATTEMPTS = 5  # retries of a claim that hit a deadlock; nothing was written before it
 
 
@@ -98,27 +99,28 @@ def _optional(fn: Callable[..., object] | None, args: tuple[Any, ...], kw: dict[
     return None if fn is None else fn(*args, **kw)
 
 
-class _Guard:
+class _Guard(Generic[S]):
     """What the sync and the async guard share: settings, store and observer."""
 
-    policy: Policy
-    observer: Observer | None
+    # The store protocol whose stores run handlers in the dedup transaction (the default mode).
+    _transactional_protocol: ClassVar[type]
 
-    def _configure(
+    def __init__(
         self,
-        store: object,
+        store: S,
         *,
-        transactional: bool,
-        consumer: str,
-        mode: str | None,
-        lease_s: float,
-        clock: Clock | None,
-        observer: Observer | None,
+        consumer: str = "default",
+        mode: str | None = None,
+        lease_s: float = 30.0,
+        clock: Clock | None = None,
+        observer: Observer | None = None,
     ) -> None:
+        transactional = isinstance(store, self._transactional_protocol)
         mode = _mode_for(store, mode, transactional)
         self.policy = Policy.build(consumer=consumer, mode=mode, lease_s=lease_s, clock=clock)
         # Metrics/tracing/logging hooks (idemq.observe); None costs one check per message.
         self.observer = observer
+        self.store: S = store
 
     @property
     def consumer(self) -> str:
@@ -131,7 +133,7 @@ class _Guard:
         return self.policy.mode
 
 
-class Idempotency(_Guard):
+class Idempotency(_Guard[Store]):
     """Guards message handlers so each message's effect happens once.
 
     ``Idempotency(SqlStore(url), consumer="orders")`` runs handlers in the dedup transaction;
@@ -139,27 +141,7 @@ class Idempotency(_Guard):
     ``clock`` returns epoch milliseconds (inject a fake one to test lease expiry).
     """
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        consumer: str = "default",
-        mode: str | None = None,
-        lease_s: float = 30.0,
-        clock: Clock | None = None,
-        observer: Observer | None = None,
-    ) -> None:
-        transactional = isinstance(store, TransactionalStore)
-        self._configure(
-            store,
-            transactional=transactional,
-            consumer=consumer,
-            mode=mode,
-            lease_s=lease_s,
-            clock=clock,
-            observer=observer,
-        )
-        self.store = store
+    _transactional_protocol = TransactionalStore
 
     def process(
         self,
@@ -462,33 +444,13 @@ def _judged(
     return out
 
 
-class AsyncIdempotency(_Guard):
+class AsyncIdempotency(_Guard[AsyncStore]):
     """The asyncio twin of :class:`Idempotency`: same arguments, ``await guard.process(...)``.
 
     ``handler`` may be a coroutine function or a plain function.
     """
 
-    def __init__(
-        self,
-        store: AsyncStore,
-        *,
-        consumer: str = "default",
-        mode: str | None = None,
-        lease_s: float = 30.0,
-        clock: Clock | None = None,
-        observer: Observer | None = None,
-    ) -> None:
-        transactional = isinstance(store, AsyncTransactionalStore)
-        self._configure(
-            store,
-            transactional=transactional,
-            consumer=consumer,
-            mode=mode,
-            lease_s=lease_s,
-            clock=clock,
-            observer=observer,
-        )
-        self.store = store
+    _transactional_protocol = AsyncTransactionalStore
 
     async def process(
         self,
