@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from copy import copy
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -31,7 +32,11 @@ def _utc(ms: int) -> datetime:
 
 
 class MemoryStore:
-    """A dict behind a lock; every primitive is atomic because it holds the lock throughout."""
+    """A dict behind a lock; every primitive is atomic because it holds the lock throughout.
+
+    Records are replaced, never changed in place, and handed out as copies: what a caller does
+    with a record it was given never reaches the store (as with the SQL and Redis stores).
+    """
 
     def __init__(self) -> None:
         self._records: dict[Key, Record] = {}
@@ -72,7 +77,7 @@ class MemoryStore:
                 attempts=current.attempts + 1,
             )
             return Claim.won()
-        return Claim.lost_to(current)
+        return Claim.lost_to(copy(current))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         with self._lock:
@@ -107,16 +112,17 @@ class MemoryStore:
 
     def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
         with self._lock:
-            return self._records.get(Key(consumer, message_id))
+            record = self._records.get(Key(consumer, message_id))
+        return None if record is None else copy(record)
 
     def find(self, message_id: str) -> list[Record]:
         with self._lock:
-            found = [r for k, r in self._records.items() if k.message_id == message_id]
+            found = [copy(r) for k, r in self._records.items() if k.message_id == message_id]
         return sorted(found, key=lambda r: r.consumer)
 
     def in_progress(self, *, limit: int = 100) -> list[Record]:
         with self._lock:
-            found = [r for r in self._records.values() if r.status is RecordStatus.PROCESSING]
+            found = [copy(r) for r in self._records.values() if r.status is RecordStatus.PROCESSING]
         return sorted(found, key=lambda r: r.created_time or _utc(0))[:limit]
 
     def purge(

@@ -158,19 +158,21 @@ def parse_record(key: Key, stored: bytes | str | None) -> Record | None:
         if status is None:  # someone else's value under our prefix, or a corrupted record
             raise ValueError(f"unknown status {s!r}")  # noqa: TRY301 - one message for both
         done = status is RecordStatus.PROCESSED
+        # Positional (the fields' order), as a duplicate parses one per message: keywords cost
+        # as much as building the record itself.
         return Record(
-            consumer=key.consumer,
-            message_id=key.message_id,
-            status=status,
-            business_id=business_id or None,
-            payload_hash=payload_hash or None,
+            key.consumer,
+            key.message_id,
+            status,
+            business_id or None,
+            payload_hash or None,
             # A result is only ever written together with status 1, but keep the invariant local.
-            result=result if done else None,
-            owner=owner or None,
-            lease_until_ms=int(lease) if lease and not done else None,
-            attempts=int(attempts or 1),
-            created_time=_datetime(created),
-            processed_time=_datetime(processed),
+            result if done else None,
+            owner or None,
+            int(lease) if lease and not done else None,
+            int(attempts or 1),
+            _datetime(created),
+            _datetime(processed),
         )
     except ValueError as exc:
         raise StoreError(f"malformed idemq record for {key!r}: {values[:6]!r}") from exc

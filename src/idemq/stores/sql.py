@@ -7,8 +7,9 @@ Both run the same plans from :mod:`idemq.stores.sql_ops` through the plumbing of
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from datetime import timedelta
+from types import TracebackType
 from typing import Any
 
 import sqlalchemy as sa
@@ -139,38 +140,15 @@ class SqlStore(_SqlBase):
         with translate_errors(what, self.where), self.transaction() as conn:
             return run(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
 
-    @contextmanager
-    def transaction(self, connection: Any = None) -> Iterator[Connection]:
+    def transaction(self, connection: Any = None) -> AbstractContextManager[Connection]:
         """A transaction for the claim and the business writes.
 
         With ``connection`` (a ``Connection`` or ORM ``Session`` of yours): inside your open
         transaction a SAVEPOINT (you commit); otherwise a transaction on it that commits here.
         """
         if connection is not None:
-            with self._join(connection) as conn:
-                yield conn
-            return
-        conn = self._checkout()
-        with translate_errors("begin", self.where):
-            try:
-                trans = conn.begin()
-            except BaseException:
-                self._checkin(conn, clean=False)
-                raise
-        clean = False
-        try:
-            yield conn
-        except BaseException:
-            with translate_errors("rollback", self.where):
-                trans.rollback()
-            clean = True
-            raise
-        else:
-            with translate_errors("commit", self.where):
-                trans.commit()
-            clean = True
-        finally:
-            self._checkin(conn, clean=clean)
+            return self._join(connection)
+        return _OwnTransaction(self)
 
     def _checkout(self) -> Connection:
         conn = self._idle.take()
@@ -289,6 +267,51 @@ class SqlStore(_SqlBase):
         for conn in self._idle.drain():
             conn.close()
         self.engine.dispose()
+
+
+class _OwnTransaction:
+    """:meth:`SqlStore.transaction` on a connection of the store's own: a kept connection (or a
+    new one), BEGIN, then COMMIT — or ROLLBACK when the block raised, which then propagates.
+
+    A class rather than ``@contextmanager``: it runs once per message, and a generator-based
+    context manager costs several times as much to enter and leave.
+    """
+
+    __slots__ = ("_conn", "_store", "_trans")
+
+    def __init__(self, store: SqlStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> Connection:
+        store = self._store
+        conn = store._checkout()
+        with translate_errors("begin", store.where):
+            try:
+                self._trans = conn.begin()
+            except BaseException:
+                store._checkin(conn, clean=False)
+                raise
+        self._conn = conn
+        return conn
+
+    def __exit__(
+        self,
+        typ: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        store = self._store
+        clean = False
+        try:
+            if exc is None:
+                with translate_errors("commit", store.where):
+                    self._trans.commit()
+            else:
+                with translate_errors("rollback", store.where):
+                    self._trans.rollback()
+            clean = True
+        finally:
+            store._checkin(self._conn, clean=clean)
 
 
 def schema_sql(dialect: str, *, table: str = DEFAULT_TABLE) -> str:
