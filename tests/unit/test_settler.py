@@ -105,3 +105,62 @@ def test_a_submit_after_the_loop_closed_fails_at_once(loop: LoopThread) -> None:
     loop.stop()
     future = settler.submit(Recorder().action("late"))
     assert isinstance(future.exception(0), BrokerUnavailableError)
+
+
+# -- held settlements (a backlog of deliveries is waiting) -------------------------------------
+
+
+def test_held_actions_wait_for_a_flush_then_go_in_one_burst(loop: LoopThread) -> None:
+    recorder = Recorder()
+    settler = Settler(loop, "test", confirm=recorder.confirm, max_hold_s=60)
+    futures = [settler.submit(recorder.action(f"h{i}"), hold=True) for i in range(3)]
+    time.sleep(0.1)
+    assert recorder.ran == []  # the loop was never woken
+    assert not any(f.done() for f in futures)
+    settler.flush()
+    settler.drain(5)
+    assert recorder.ran == ["h0", "h1", "h2"]
+    assert recorder.confirms == 1
+    assert all(f.done() and f.exception(0) is None for f in futures)
+
+
+def test_an_unheld_action_takes_the_held_ones_with_it(loop: LoopThread) -> None:
+    recorder = Recorder()
+    settler = Settler(loop, "test", max_hold_s=60)
+    held = settler.submit(recorder.action("held"), hold=True)
+    last = settler.submit(recorder.action("last"))  # the backlog ran dry: send now
+    last.result(5)
+    assert held.done()
+    assert recorder.ran == ["held", "last"]
+
+
+def test_the_max_held_th_action_sends_the_lot(loop: LoopThread) -> None:
+    recorder = Recorder()
+    settler = Settler(loop, "test", max_held=4, max_hold_s=60)
+    futures = [settler.submit(recorder.action(f"h{i}"), hold=True) for i in range(4)]
+    deadline = time.monotonic() + 5
+    while not all(f.done() for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert recorder.ran == ["h0", "h1", "h2", "h3"]
+
+
+def test_a_held_action_is_sent_once_the_oldest_is_max_hold_s_old(loop: LoopThread) -> None:
+    recorder = Recorder()
+    settler = Settler(loop, "test", max_hold_s=0.05)
+    first = settler.submit(recorder.action("old"), hold=True)
+    time.sleep(0.1)  # a slow handler: acks must not wait for the backlog past max_hold_s
+    second = settler.submit(recorder.action("new"), hold=True)
+    deadline = time.monotonic() + 5
+    while not (first.done() and second.done()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert recorder.ran == ["old", "new"]
+
+
+def test_waiting_on_a_held_action_sends_it(loop: LoopThread) -> None:
+    recorder = Recorder()
+    settler = Settler(loop, "test", max_hold_s=60)
+    future = settler.submit(recorder.action("waited"), hold=True)
+    assert future.result(5) is None  # no flush from anyone else: the wait itself flushes
+    assert recorder.ran == ["waited"]
+    other = settler.submit(recorder.action("failing", fail=True), hold=True)
+    assert isinstance(other.exception(5), BrokerUnavailableError)

@@ -15,8 +15,11 @@
   connection drops first RabbitMQ requeues it anyway.
 * Acks (and immediate nacks) are queued to the loop thread (:class:`~._aioloop.Settler`) rather
   than waited for one by one; AMQP has no reply to an ack anyway (the frame is written, that is
-  all a client ever knows). ``close()`` sends what is queued before closing the connection. Not
-  ``basic.ack multiple``: it would also ack the channel's earlier deliveries still in flight.
+  all a client ever knows). While prefetched deliveries wait in the consumer's inbox, acks are
+  held and go out together when it runs dry (or every 100, or 50 ms after the oldest), so
+  the loop thread wakes once per burst, not once per message. ``close()`` sends what is queued
+  before closing the connection. Not ``basic.ack multiple``: it would also ack the channel's
+  earlier deliveries still in flight.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ class RabbitMQBroker:
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
         """Push-consume ``queue`` with ``prefetch`` unacked messages at most."""
-        inbox: Inbox[Delivery] = Inbox()
+        inbox: Inbox[Delivery] = Inbox(on_dry=self._settler.flush)
 
         async def start() -> tuple[AbstractChannel, aio_pika.abc.AbstractQueue, str]:
             channel = await self._connection.channel()
@@ -145,7 +148,7 @@ class RabbitMQBroker:
             declared = await self._declare(channel, queue)
 
             async def on_message(message: AbstractIncomingMessage) -> None:
-                inbox.put(self._delivery(queue, message))
+                inbox.put(self._delivery(queue, message, inbox))
 
             tag = await declared.consume(on_message)
             return channel, declared, tag
@@ -157,10 +160,13 @@ class RabbitMQBroker:
             # Stop receiving only; in-flight deliveries are settled on this channel, which
             # close() shuts (RabbitMQ then requeues whatever is still unacked).
             inbox.closed.set()
+            self._settler.flush()  # acks held for the deliveries this consumer still had
             with contextlib.suppress(BrokerUnavailableError):
                 self._call(declared.cancel(tag))
 
-    def _delivery(self, queue: str, message: AbstractIncomingMessage) -> RabbitMQDelivery:
+    def _delivery(
+        self, queue: str, message: AbstractIncomingMessage, inbox: Inbox[Delivery]
+    ) -> RabbitMQDelivery:
         headers = {key: _text(value) for key, value in (message.headers or {}).items()}
         count = headers.get("x-delivery-count", "0")
         attempt = int(count) + 1 if count.isdigit() else 1
@@ -171,7 +177,7 @@ class RabbitMQBroker:
             broker_message_id=message.message_id,
             delivery_attempt=attempt,
         )
-        return RabbitMQDelivery(self, received, message)
+        return RabbitMQDelivery(self, received, message, inbox)
 
     def close(self) -> None:
         """Send the queued acks, close the connection (unacked messages go back to their
@@ -190,9 +196,11 @@ class RabbitMQBroker:
         """Run a settlement coroutine on the loop and wait, translating driver errors."""
         self._call(coro)
 
-    def settle_soon(self, action: Callable[[], Awaitable[object]]) -> Future[None]:
+    def settle_soon(
+        self, action: Callable[[], Awaitable[object]], *, hold: bool = False
+    ) -> Future[None]:
         """Queue a settlement on the loop (see :class:`~._aioloop.Settler`); do not wait."""
-        return self._settler.submit(action)
+        return self._settler.submit(action, hold=hold)
 
     def settle_later(self, delay_s: float, message: AbstractIncomingMessage) -> None:
         """nack(requeue) after ``delay_s``; the message stays unacked (invisible) until then."""
@@ -217,18 +225,25 @@ class RabbitMQDelivery(Delivery):
     """An AMQP delivery on a consumer channel."""
 
     def __init__(
-        self, broker: RabbitMQBroker, received: Received, message: AbstractIncomingMessage
+        self,
+        broker: RabbitMQBroker,
+        received: Received,
+        message: AbstractIncomingMessage,
+        inbox: Inbox[Delivery],
     ) -> None:
         super().__init__(received)
         self._broker = broker
         self._message = message
+        self._inbox = inbox
 
     def _ack(self) -> Future[None]:
-        return self._broker.settle_soon(self._message.ack)
+        return self._broker.settle_soon(self._message.ack, hold=self._inbox.backlog())
 
     def _retry(self, delay_s: float) -> Future[None] | None:
         if delay_s <= 0:
-            return self._broker.settle_soon(lambda: self._message.nack(requeue=True))
+            return self._broker.settle_soon(
+                lambda: self._message.nack(requeue=True), hold=self._inbox.backlog()
+            )
         self._broker.settle_later(delay_s, self._message)
         return None
 

@@ -91,6 +91,36 @@ class QueuedAckContract(BrokerContract):
             again.close()
         assert redelivered == []
 
+    def test_acks_held_for_a_backlog_go_out_once_it_runs_dry(
+        self, broker_url: str, queue: str, publisher: Broker
+    ) -> None:
+        ids = publish_ids(publisher, queue, "B", 20)
+        broker = open_broker(broker_url)
+        acks, unacked = [], []
+        stream = broker.consume(queue, prefetch=len(ids))
+        try:
+            for delivery in stream:
+                if delivery is not None and len(acks) < len(ids) // 2:
+                    acks.append(delivery.ack())  # more are waiting: this ack is held
+                elif delivery is not None:
+                    unacked.append(delivery)
+                elif len(acks) + len(unacked) == len(ids):
+                    break  # dry: the consumer waits for more, so the held acks must leave now
+            # Not ack.result(): waiting on a held ack sends it, which would hide a lost flush.
+            wait_for(lambda: all(ack.done() for ack in acks), 10, "the held acks to be sent")
+            acks += [delivery.ack() for delivery in unacked]
+            wait_for(lambda: all(ack.done() for ack in acks), 10, "every ack to be sent")
+            assert [ack.exception(0) for ack in acks] == [None] * len(ids)
+        finally:
+            stream.close()  # type: ignore[attr-defined]
+            broker.close()
+        again = open_broker(broker_url)
+        try:
+            redelivered = take(again, queue, 1, timeout_s=min(self.redelivery_timeout_s, 3.0))
+        finally:
+            again.close()
+        assert redelivered == []
+
     def test_a_failed_ack_is_counted_and_the_message_applied_once(
         self, broker_url: str, queue: str, business: Business, publisher: Broker
     ) -> None:
