@@ -180,8 +180,7 @@ def run(conn: Connection, plan: Plan) -> Any:
     path it cost more CPU than the database round trip (see bench/sql_guard.py). Driver errors
     go through SQLAlchemy's own error handling, so :func:`translate_errors` sees one kind.
     """
-    dbapi_conn = conn.connection.dbapi_connection
-    cursor = dbapi_conn.cursor()  # type: ignore[union-attr]
+    cursor = _cursor(conn)
     sql: str = ""
     params: dict[str, Any] = {}
     try:
@@ -190,7 +189,7 @@ def run(conn: Connection, plan: Plan) -> Any:
             sql, params, returns_rows = step
             cursor.execute(sql, params)
             # (Asking the cursor for its description would build column objects: measurable.)
-            rows = list(cursor.fetchall()) if returns_rows else []
+            rows = cursor.fetchall() if returns_rows else []
             step = plan.send(Reply(rows, cursor.rowcount))
     except StopIteration as stop:
         return stop.value
@@ -199,8 +198,22 @@ def run(conn: Connection, plan: Plan) -> Any:
         # hooks run, and on a disconnect this connection and the pool's older ones invalidated
         # (a restarted server killed them all; each is replaced at its next checkout).
         conn._handle_dbapi_exception(exc, sql, params, cursor, None)
-    finally:
-        cursor.close()
+
+
+_CURSOR = "idemq.cursor"
+
+
+def _cursor(conn: Connection) -> Any:
+    """idemq's cursor on the DBAPI connection under ``conn``: one per DBAPI connection, kept in
+    the pool's ``info`` for it and reused by every plan — psycopg spends more building a cursor
+    than running a duplicate's claim through it. A cursor of another (replaced) DBAPI
+    connection is never reused."""
+    fairy = conn.connection
+    dbapi_conn = fairy.dbapi_connection
+    cursor = fairy.info.get(_CURSOR)
+    if cursor is None or cursor.connection is not dbapi_conn:
+        cursor = fairy.info[_CURSOR] = dbapi_conn.cursor()  # type: ignore[union-attr]
+    return cursor
 
 
 async def arun(conn: AsyncConnection, plan: Plan) -> Any:

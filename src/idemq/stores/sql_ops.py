@@ -52,7 +52,7 @@ CLAIM_TRIES = 3  # a lost claim whose row vanished (released meanwhile) is claim
 class Reply(NamedTuple):
     """What a plan gets back for one statement (a tuple: built for every statement)."""
 
-    rows: list[tuple[Any, ...]]
+    rows: Sequence[tuple[Any, ...]]  # as the driver's fetchall() returns them
     rowcount: int
 
 
