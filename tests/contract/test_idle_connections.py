@@ -114,6 +114,27 @@ def test_a_handler_that_closes_tx_does_not_break_the_next_message(counted, serve
     assert store.get("M1", "c") is None, "the closed transaction committed nothing"
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgres", "mariadb"])
+def test_a_failed_statement_does_not_break_the_next_message_on_the_kept_connection(
+    backend: str, tmp_path: Any
+) -> None:
+    # idemq reuses one cursor per connection; a driver error closes it (SQLAlchemy's handling).
+    if backend != "sqlite":
+        require_service("postgres" if backend == "postgres" else "mysql")
+    url = f"sqlite:///{tmp_path / 'kept.db'}" if backend == "sqlite" else URL[backend]
+    store = idemq.SqlStore(url, table=unique("mi"))
+    guard = idemq.Idempotency(store, consumer="c")
+    try:
+        with pytest.raises(idemq.StoreError):  # the table does not exist yet
+            guard.process("M1", lambda _tx: None)
+        store.create_schema()
+        assert guard.process("M1", lambda _tx: 1).status is idemq.Status.PROCESSED
+        assert guard.process("M1", lambda _tx: 2).result == 1
+    finally:
+        store.drop_schema()
+        store.close()
+
+
 def sessions_named(name: str) -> int:
     """PostgreSQL sessions open under ``application_name``."""
     admin = sa.create_engine(PG_URL, poolclass=NullPool)

@@ -196,8 +196,13 @@ def run(conn: Connection, plan: Plan) -> Any:
     except conn.dialect.loaded_dbapi.Error as exc:
         # SQLAlchemy's own handling, as for its own statements: the error wrapped, ``handle_error``
         # hooks run, and on a disconnect this connection and the pool's older ones invalidated
-        # (a restarted server killed them all; each is replaced at its next checkout).
+        # (a restarted server killed them all; each is replaced at its next checkout). It also
+        # closes the cursor: the next plan on this connection gets a new one.
+        conn.connection.info.pop(_CURSOR, None)
         conn._handle_dbapi_exception(exc, sql, params, cursor, None)
+    except BaseException:
+        conn.connection.info.pop(_CURSOR, None)  # interrupted mid-statement: start afresh
+        raise
 
 
 _CURSOR = "idemq.cursor"

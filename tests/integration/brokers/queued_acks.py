@@ -36,6 +36,15 @@ class QueuedAckContract(BrokerContract):
         """Make every later ack of ``delivery`` fail (its channel or connection closed)."""
         raise NotImplementedError
 
+    def assert_nothing_redelivered(self, broker_url: str, queue: str) -> None:
+        """A fresh consumer of ``queue`` gets nothing: every ack reached the broker."""
+        again = open_broker(broker_url)
+        try:
+            redelivered = take(again, queue, 1, timeout_s=min(self.redelivery_timeout_s, 3.0))
+        finally:
+            again.close()
+        assert redelivered == []
+
     def test_kill_with_acks_queued_redelivers_and_applies_each_once(
         self, broker_url: str, queue: str, business: Business, publisher: Broker
     ) -> None:
@@ -84,12 +93,7 @@ class QueuedAckContract(BrokerContract):
         broker.close()  # waits for the loop, sends the acks, then closes
         assert [ack.exception(0) for ack in acks] == [None] * len(ids)
 
-        again = open_broker(broker_url)
-        try:
-            redelivered = take(again, queue, 1, timeout_s=min(self.redelivery_timeout_s, 3.0))
-        finally:
-            again.close()
-        assert redelivered == []
+        self.assert_nothing_redelivered(broker_url, queue)
 
     def test_acks_held_for_a_backlog_go_out_once_it_runs_dry(
         self, broker_url: str, queue: str, publisher: Broker
@@ -114,12 +118,7 @@ class QueuedAckContract(BrokerContract):
         finally:
             stream.close()  # type: ignore[attr-defined]
             broker.close()
-        again = open_broker(broker_url)
-        try:
-            redelivered = take(again, queue, 1, timeout_s=min(self.redelivery_timeout_s, 3.0))
-        finally:
-            again.close()
-        assert redelivered == []
+        self.assert_nothing_redelivered(broker_url, queue)
 
     def test_a_failed_ack_is_counted_and_the_message_applied_once(
         self, broker_url: str, queue: str, business: Business, publisher: Broker
