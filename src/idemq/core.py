@@ -15,7 +15,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from idemq.errors import (
@@ -209,7 +209,11 @@ class Policy:
     mode: Mode
     lease_ms: int
     clock: Clock
-    claim_lease_ms: int  # lease_ms in lease mode; a transactional claim holds no lease
+    # lease_ms in lease mode; a transactional claim holds no lease. Derived once, read per claim.
+    claim_lease_ms: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "claim_lease_ms", self.lease_ms if self.mode is Mode.LEASE else 0)
 
     @classmethod
     def build(cls, *, consumer: object, mode: str, lease_s: float, clock: Clock | None) -> Policy:
@@ -223,9 +227,7 @@ class Policy:
             ) from exc
         if not lease_s > 0:
             raise ConfigurationError(f"lease_s must be positive, got {lease_s!r}")
-        lease_ms = round(lease_s * 1000)
-        claim_lease_ms = lease_ms if parsed_mode is Mode.LEASE else 0
-        return cls(consumer, parsed_mode, lease_ms, clock or system_clock_ms, claim_lease_ms)
+        return cls(consumer, parsed_mode, round(lease_s * 1000), clock or system_clock_ms)
 
     def request(
         self, message_id: object, business_id: object = None, payload: object = None

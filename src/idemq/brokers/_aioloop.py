@@ -139,7 +139,8 @@ class Settler:
                 or len(self._queued) >= self.max_held
                 or now_s - self._oldest_s >= self.max_hold_s
             )
-            self._woken = self._woken or wake  # later ones ride on the wake-up scheduled
+            if wake:
+                self._woken = True  # later ones ride on the wake-up scheduled
         if wake:
             self._wake()
         return future
@@ -148,7 +149,8 @@ class Settler:
         """Wake the loop for whatever is held (a no-op when nothing is, or a wake-up is due)."""
         with self._lock:
             wake = bool(self._queued) and not self._woken
-            self._woken = self._woken or wake
+            if wake:
+                self._woken = True
         if wake:
             self._wake()
 

@@ -193,15 +193,16 @@ def run(conn: Connection, plan: Plan) -> Any:
             step = plan.send(Reply(rows, cursor.rowcount))
     except StopIteration as stop:
         return stop.value
-    except conn.dialect.loaded_dbapi.Error as exc:
-        # SQLAlchemy's own handling, as for its own statements: the error wrapped, ``handle_error``
-        # hooks run, and on a disconnect this connection and the pool's older ones invalidated
-        # (a restarted server killed them all; each is replaced at its next checkout). It also
-        # closes the cursor: the next plan on this connection gets a new one.
+    except BaseException as exc:
+        # The next plan on this connection gets a new cursor: SQLAlchemy's handling below closes
+        # this one, and one interrupted mid-statement is in no known state.
         conn.connection.info.pop(_CURSOR, None)
-        conn._handle_dbapi_exception(exc, sql, params, cursor, None)
-    except BaseException:
-        conn.connection.info.pop(_CURSOR, None)  # interrupted mid-statement: start afresh
+        if isinstance(exc, conn.dialect.loaded_dbapi.Error):
+            # SQLAlchemy's own handling, as for its own statements: the error wrapped,
+            # ``handle_error`` hooks run, and on a disconnect this connection and the pool's
+            # older ones invalidated (a restarted server killed them all; each is replaced at
+            # its next checkout).
+            conn._handle_dbapi_exception(exc, sql, params, cursor, None)
         raise
 
 

@@ -96,23 +96,9 @@ JSON_COLS = (
 
 
 def _json_record(key: Key, text: str | bytes) -> Record:
-    """A record read by the claim path (``record_json`` of :class:`Ops`)."""
-    status, business_id, payload_hash, result, owner, lease, attempts, created, processed = (
-        json.loads(text)
-    )
-    return Record(  # positional, in the fields' order: a duplicate builds one per message
-        key.consumer,
-        key.message_id,
-        RecordStatus(int(status)),
-        business_id,
-        payload_hash,
-        result,
-        owner,
-        None if lease is None else int(lease),
-        int(attempts),
-        None if created is None else as_utc(created),
-        None if processed is None else as_utc(processed),
-    )
+    """A record read by the claim path (``record_json`` of :class:`Ops`): :data:`JSON_COLS` are
+    :data:`COLS` without the key, in the same order."""
+    return _record((key.consumer, key.message_id, *json.loads(text)))
 
 
 def _key_params(key: Key) -> dict[str, Any]:
