@@ -24,7 +24,8 @@ from idemq.errors import (
     StoreUnavailableError,
     UnknownEventError,
 )
-from idemq.idempotency import AsyncIdempotency, Idempotency
+from idemq.idempotency import Idempotency
+from idemq.idempotency_async import AsyncIdempotency
 from idemq.ids import MessageIdGenerator, MessageIdParts, parse_message_id
 from idemq.lock import AsyncRedisLock, RedisLock
 from idemq.message import Message

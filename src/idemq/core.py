@@ -14,14 +14,13 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from idemq.errors import (
     ConfigurationError,
     InvalidBusinessIdError,
-    InvalidInputError,
     InvalidMessageError,
     InvalidMessageIdError,
     PayloadMismatchError,
@@ -31,7 +30,7 @@ from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
 
 __all__ = [
     "MAX_BUSINESS_ID_CHARS",
-    "BatchPlan",
+    "CLAIM_ATTEMPTS",
     "MAX_MESSAGE_ID_CHARS",
     "NULL_RESULT",
     "Clock",
@@ -41,10 +40,8 @@ __all__ = [
     "Status",
     "decode_result",
     "encode_result",
-    "failed",
     "hash_payload",
     "judge",
-    "plan_batch",
     "processed",
     "system_clock_ms",
     "validate_business_id",
@@ -54,6 +51,7 @@ __all__ = [
 MAX_MESSAGE_ID_CHARS = 128
 MAX_BUSINESS_ID_CHARS = 64
 NULL_RESULT = "null"  # encode_result(None): the value a claim row starts with
+CLAIM_ATTEMPTS = 5  # runs of a claim that hit a deadlock; nothing was written before it
 
 T = TypeVar("T")
 Clock = Callable[[], int]
@@ -272,79 +270,3 @@ def judge(request: ClaimRequest, claim: Claim) -> Outcome[Any] | None:
 def processed(request: ClaimRequest, result: T) -> Outcome[T]:
     """The outcome of a handler that ran and committed now."""
     return Outcome(Status.PROCESSED, request.key.message_id, result)
-
-
-class _BatchItem(Protocol):
-    """What ``process_batch`` needs of a message (``idemq.Message`` has it)."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def body(self) -> bytes: ...
-
-    @property
-    def business_id(self) -> str | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class BatchPlan:
-    """A batch reduced to one claim per distinct valid key.
-
-    ``slots[i]`` is either the index in ``requests`` that message ``i`` maps to (a repeated id maps
-    to its first occurrence, so it is handled once), or its final outcome when it was invalid.
-    """
-
-    requests: list[ClaimRequest]
-    first_index: list[int]  # message index of each request's first occurrence
-    slots: list[int | Outcome[Any]]
-
-    def assemble(self, per_request: list[Outcome[Any]]) -> list[Outcome[Any]]:
-        """Outcomes in message order; a repeat of an id shares its first occurrence's fate."""
-        out: list[Outcome[Any]] = []
-        for i, slot in enumerate(self.slots):
-            if isinstance(slot, Outcome):
-                out.append(slot)
-                continue
-            first = per_request[slot]
-            if i != self.first_index[slot] and first.status is Status.PROCESSED:
-                first = Outcome(Status.DUPLICATE, first.message_id, first.result, first.record)
-            out.append(first)
-        return out
-
-
-def plan_batch(policy: Policy, messages: Sequence[_BatchItem]) -> BatchPlan:
-    """Validate every message; an invalid one becomes a FAILED outcome, not a failed batch."""
-    requests: list[ClaimRequest] = []
-    first_index: list[int] = []
-    slots: list[int | Outcome[Any]] = []
-    seen: dict[str, int] = {}
-    for i, msg in enumerate(messages):
-        try:
-            request = policy.request(msg.id, msg.business_id, msg.body)
-        except InvalidInputError as exc:
-            slots.append(Outcome(Status.FAILED, str(msg.id), error=exc))
-            continue
-        message_id = request.key.message_id
-        if message_id not in seen:
-            seen[message_id] = len(requests)
-            requests.append(request)
-            first_index.append(i)
-        first = requests[seen[message_id]]
-        if (
-            request.payload_hash is not None
-            and first.payload_hash is not None
-            and request.payload_hash != first.payload_hash
-        ):
-            # The same id twice in one batch with different bodies: the repeat is not a
-            # duplicate of the first, it is a producer bug — as it would be across batches.
-            error = PayloadMismatchError(message_id, first.payload_hash, request.payload_hash)
-            slots.append(Outcome(Status.FAILED, message_id, error=error))
-            continue
-        slots.append(seen[message_id])
-    return BatchPlan(requests, first_index, slots)
-
-
-def failed(request: ClaimRequest, error: BaseException) -> Outcome[Any]:
-    """The outcome of one batch message whose handler (or payload check) raised."""
-    return Outcome(Status.FAILED, request.key.message_id, error=error)

@@ -1,6 +1,8 @@
-"""``Idempotency`` and ``AsyncIdempotency``: thin sync/async shells over :mod:`idemq.core`.
+"""``Idempotency``: the guard's sync shell over :mod:`idemq.core` (and what the async one shares).
 
-They only sequence store calls; what a claim means is decided in :func:`idemq.core.judge`.
+It only sequences store calls; what a claim means is decided in :func:`idemq.core.judge`, what a
+batch does next in :mod:`idemq.batch_flow`. :mod:`idemq.idempotency_async` is its asyncio twin,
+built on the same base (:class:`_Guard`) and the same I/O-free decisions.
 
 Transactional mode (SQL)::
 
@@ -23,20 +25,28 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
-from idemq.core import (
-    NULL_RESULT,
+from idemq.batch_flow import (
+    BatchPasses,
     BatchPlan,
+    Flow,
+    Handle,
+    HandlerFailedError,
+    batch_flow,
+    plan_batch,
+)
+from idemq.core import (
+    CLAIM_ATTEMPTS,
+    NULL_RESULT,
     Clock,
     Mode,
     Outcome,
     Policy,
     encode_result,
-    failed,
     judge,
-    plan_batch,
     processed,
 )
 from idemq.errors import ConfigurationError, InvalidMessageIdError, StoreConflictError
@@ -44,24 +54,22 @@ from idemq.message import Message
 from idemq.observe import (
     Observer,
     Probe,
-    awatch_handler,
     claim_status,
     report_batch,
     watch_handler,
 )
 from idemq.stores.base import (
     AsyncStore,
-    AsyncTransactionalStore,
+    Claim,
     ClaimRequest,
     Store,
     TransactionalStore,
 )
 
-__all__ = ["AsyncIdempotency", "Idempotency"]
+__all__ = ["Idempotency"]
 
 T = TypeVar("T")
 S = TypeVar("S", "Store", "AsyncStore")
-CLAIM_ATTEMPTS = 5  # retries of a claim that hit a deadlock; nothing was written before it
 
 
 def _mode_for(store: object, mode: str | None, transactional: bool) -> str:
@@ -271,33 +279,17 @@ class Idempotency(_Guard[Store]):
         plan = plan_batch(self.policy, messages)
         by_request = [messages[i] for i in plan.first_index]
         if self.policy.mode is Mode.LEASE:
-            claims = self.store.claim_many(plan.requests)
+            flow = batch_flow(plan, by_request, isolated=True)
             return plan.assemble(
-                [
-                    self._batch_lease_one(request, claim_outcome, msg, handler)
-                    for request, claim_outcome, msg in zip(
-                        plan.requests, _judged(plan.requests, claims), by_request, strict=True
-                    )
-                ]
+                _drive(flow, self.store.claim_many, lambda step: self._handle_leased(handler, step))
             )
-        # Optimistic pass first: no savepoints (they cost two statements per message). If a
-        # handler raises, that transaction rolls back whole and the batch runs again, each
-        # message in a savepoint; the one that raised is FAILED with its error, not rerun.
-        failures: dict[int, Exception] | None = None
-        for _pass in range(2):
-            for attempt in range(1, CLAIM_ATTEMPTS + 1):
-                try:
-                    return plan.assemble(
-                        self._batch_in(plan, by_request, handler, connection, failures)
-                    )
-                except _HandlerFailedError as exc:
-                    failures = {exc.index: exc.error}
-                    break
-                except StoreConflictError:
-                    # A deadlock rolled the whole batch back: nothing of it committed.
-                    if connection is not None or attempt == CLAIM_ATTEMPTS:
-                        raise
-        raise AssertionError("unreachable: the isolated pass never raises _HandlerFailedError")
+        passes = BatchPasses(owns_transaction=connection is None)
+        while True:
+            try:
+                return plan.assemble(self._batch_in(plan, by_request, handler, connection, passes))
+            except (HandlerFailedError, StoreConflictError) as exc:
+                if not passes.again(exc):
+                    raise
 
     def _batch_in(
         self,
@@ -305,55 +297,47 @@ class Idempotency(_Guard[Store]):
         by_request: list[Message],
         handler: Callable[[Message, Any], Any],
         connection: Any,
-        failures: dict[int, Exception] | None,
+        passes: BatchPasses,
     ) -> list[Outcome[Any]]:
+        """One pass of a transactional batch, in one transaction."""
         store = cast(TransactionalStore, self.store)
+        isolated = passes.isolated
+        flow = batch_flow(plan, by_request, isolated=isolated, failures=passes.failures)
         with store.transaction(connection) as tx:
-            to_claim = _to_claim(plan.requests, failures)
-            claims = store.claim_many_in(tx, to_claim) if to_claim else []
-            outcomes = []
-            for i, (request, judged, msg) in enumerate(
-                zip(
-                    plan.requests, _judged(plan.requests, claims, failures), by_request, strict=True
-                )
-            ):
-                if judged is not None:
-                    outcomes.append(judged)
-                    continue
-                if failures is None:
-                    try:
-                        result = _handle_and_save(store, tx, request, handler(msg, tx))
-                    except Exception as exc:
-                        raise _HandlerFailedError(i, exc) from exc
-                    outcomes.append(processed(request, result))
-                    continue
-                try:
-                    with store.savepoint(tx):
-                        result = _handle_and_save(store, tx, request, handler(msg, tx))
-                except Exception as exc:
-                    store.release_in(tx, request.key, request.owner)
-                    outcomes.append(failed(request, exc))
-                else:
-                    outcomes.append(processed(request, result))
-        return outcomes
+            return _drive(
+                flow,
+                lambda requests: store.claim_many_in(tx, requests),
+                lambda step: self._handle_in(tx, handler, isolated, step),
+            )
 
-    def _batch_lease_one(
-        self,
-        request: ClaimRequest,
-        judged: Outcome[Any] | None,
-        msg: Message,
-        handler: Callable[[Message, Any], Any],
-    ) -> Outcome[Any]:
-        if judged is not None:
-            return judged
+    def _handle_in(
+        self, tx: Any, handler: Callable[[Message, Any], Any], isolated: bool, step: Handle
+    ) -> tuple[bool, Any]:
+        """A :class:`Handle` step in the batch's transaction (isolated: in a savepoint)."""
+        store = cast(TransactionalStore, self.store)
+        request = step.request
         try:
-            result = handler(msg, None)
+            with store.savepoint(tx) if isolated else nullcontext():
+                result = _handle_and_save(store, tx, request, handler(step.message, tx))
+        except Exception as exc:
+            if isolated:  # its writes are rolled back; its claim goes too, so it can be retried
+                store.release_in(tx, request.key, request.owner)
+            return False, exc
+        return True, result
+
+    def _handle_leased(
+        self, handler: Callable[[Message, Any], Any], step: Handle
+    ) -> tuple[bool, Any]:
+        """A :class:`Handle` step in lease mode: complete the claim, or release it."""
+        request = step.request
+        try:
+            result = handler(step.message, None)
             encoded = encode_result(result)
         except Exception as exc:
             self._release(request, exc)
-            return failed(request, exc)
+            return False, exc
         self.store.complete(request.key, request.owner, encoded, self.policy.clock())
-        return processed(request, result)
+        return True, result
 
     def idempotent(
         self,
@@ -386,24 +370,6 @@ class Idempotency(_Guard[Store]):
         return decorate
 
 
-class _HandlerFailedError(Exception):
-    """A handler raised in the optimistic (savepoint-free) pass: rerun the batch isolated."""
-
-    def __init__(self, index: int, error: Exception) -> None:
-        super().__init__(index, error)
-        self.index = index  # in BatchPlan.requests
-        self.error = error
-
-
-def _to_claim(
-    requests: list[ClaimRequest], failures: dict[int, Exception] | None
-) -> list[ClaimRequest]:
-    """The requests to claim: all but those whose handler already failed in this batch."""
-    if not failures:
-        return requests
-    return [request for i, request in enumerate(requests) if i not in failures]
-
-
 def _handle_and_save(
     store: TransactionalStore, tx: Any, request: ClaimRequest, result: object
 ) -> object:
@@ -413,266 +379,16 @@ def _handle_and_save(
     return result
 
 
-async def _ahandle_and_save(
-    store: AsyncTransactionalStore, tx: Any, request: ClaimRequest, result: object
-) -> object:
-    result = await _maybe_await(result)
-    encoded = encode_result(result)
-    if encoded != NULL_RESULT:
-        await store.save_result_in(tx, request.key, encoded)
-    return result
-
-
-def _judged(
-    requests: Sequence[ClaimRequest],
-    claims: Sequence[Any],
-    failures: dict[int, Exception] | None = None,
-) -> list[Outcome[Any] | None]:
-    """judge() each claim; a payload mismatch fails only that message of the batch.
-
-    ``claims`` skips the requests in ``failures`` (handler already failed: FAILED as is)."""
-    out: list[Outcome[Any] | None] = []
-    claimed = iter(claims)
-    for i, request in enumerate(requests):
-        if failures and i in failures:
-            out.append(failed(request, failures[i]))
-            continue
+def _drive(
+    flow: Flow,
+    claim: Callable[[list[ClaimRequest]], list[Claim]],
+    handle: Callable[[Handle], tuple[bool, Any]],
+) -> list[Outcome[Any]]:
+    """Carry out the steps of a :func:`~idemq.batch_flow.batch_flow`; returns its outcomes."""
+    reply: Any = None
+    while True:
         try:
-            out.append(judge(request, next(claimed)))
-        except Exception as exc:
-            out.append(failed(request, exc))
-    return out
-
-
-class AsyncIdempotency(_Guard[AsyncStore]):
-    """The asyncio twin of :class:`Idempotency`: same arguments, ``await guard.process(...)``.
-
-    ``handler`` may be a coroutine function or a plain function.
-    """
-
-    _transactional_protocol = AsyncTransactionalStore
-
-    async def process(
-        self,
-        message_id: str,
-        handler: Callable[[Any], Awaitable[T] | T],
-        *,
-        business_id: str | None = None,
-        payload: object = None,
-        connection: Any = None,
-    ) -> Outcome[T]:
-        """See :meth:`Idempotency.process`."""
-        observer = self.observer
-        if observer is None:
-            return await self._process(message_id, handler, business_id, payload, connection)
-        probe = observer.begin(self.policy.consumer, str(message_id))
-        try:
-            watched: Callable[[Any], Awaitable[T]] = awatch_handler(probe, handler)
-            outcome: Outcome[T] = await self._process(
-                message_id, watched, business_id, payload, connection, probe
-            )
-        except BaseException as exc:
-            probe.finished(None, exc)
-            raise
-        probe.finished(outcome, None)
-        return outcome
-
-    async def _process(  # noqa: PLR0917 - private, called from process() only
-        self,
-        message_id: str,
-        handler: Callable[[Any], Awaitable[T] | T],
-        business_id: str | None,
-        payload: object,
-        connection: Any,
-        probe: Probe | None = None,
-    ) -> Outcome[T]:
-        request = self.policy.request(message_id, business_id, payload)
-        if self.policy.mode is Mode.LEASE:
-            return await self._process_lease(request, handler, probe)
-        if connection is not None:
-            return await self._process_in(request, handler, connection, probe)
-        for attempt in range(1, CLAIM_ATTEMPTS + 1):
-            try:
-                return await self._process_in(request, handler, None, probe)
-            except StoreConflictError:
-                if attempt == CLAIM_ATTEMPTS:
-                    raise
-        raise AssertionError("unreachable")
-
-    async def _process_in(
-        self,
-        request: ClaimRequest,
-        handler: Callable[[Any], Awaitable[T] | T],
-        connection: Any,
-        probe: Probe | None,
-    ) -> Outcome[T]:
-        store = cast(AsyncTransactionalStore, self.store)
-        async with store.transaction(connection) as tx:
-            claim = await store.claim_in(tx, request)
-            if probe is not None:
-                probe.claimed(claim_status(claim))
-            outcome = judge(request, claim)
-            if outcome is not None:
-                return outcome
-            result = await _maybe_await(handler(tx))
-            encoded = encode_result(result)
-            if encoded != NULL_RESULT:
-                await store.save_result_in(tx, request.key, encoded)
-        return processed(request, result)
-
-    async def _process_lease(
-        self,
-        request: ClaimRequest,
-        handler: Callable[[Any], Awaitable[T] | T],
-        probe: Probe | None,
-    ) -> Outcome[T]:
-        store = self.store
-        claim = await store.claim(request)
-        if probe is not None:
-            probe.claimed(claim_status(claim))
-        outcome = judge(request, claim)
-        if outcome is not None:
-            return outcome
-        try:
-            result = await _maybe_await(handler(None))
-            encoded = encode_result(result)
-        except BaseException as exc:
-            await self._release(request, exc)
-            raise
-        await store.complete(request.key, request.owner, encoded, self.policy.clock())
-        return processed(request, result)
-
-    async def _release(self, request: ClaimRequest, cause: BaseException) -> None:
-        try:
-            await self.store.release(request.key, request.owner)
-        except Exception as exc:
-            cause.add_note(f"idemq: releasing the claim failed too ({exc!r}); it will expire")
-
-    async def process_batch(
-        self,
-        messages: Sequence[Message],
-        handler: Callable[[Message, Any], Any],
-        *,
-        connection: Any = None,
-    ) -> list[Outcome[Any]]:
-        """See :meth:`Idempotency.process_batch`."""
-        outcomes = await self._process_batch(messages, handler, connection)
-        if self.observer is not None:
-            report_batch(self.observer, self.policy.consumer, outcomes)
-        return outcomes
-
-    async def _process_batch(
-        self, messages: Sequence[Message], handler: Callable[[Message, Any], Any], connection: Any
-    ) -> list[Outcome[Any]]:
-        plan = plan_batch(self.policy, messages)
-        by_request = [messages[i] for i in plan.first_index]
-        if self.policy.mode is Mode.LEASE:
-            outcomes: list[Outcome[Any]] = []
-            claims = await self.store.claim_many(plan.requests)
-            for request, judged, msg in zip(
-                plan.requests, _judged(plan.requests, claims), by_request, strict=True
-            ):
-                outcomes.append(await self._batch_lease_one(request, judged, msg, handler))
-            return plan.assemble(outcomes)
-        # See Idempotency._process_batch: optimistic pass, then isolated in savepoints.
-        failures: dict[int, Exception] | None = None
-        for _pass in range(2):
-            for attempt in range(1, CLAIM_ATTEMPTS + 1):
-                try:
-                    return plan.assemble(
-                        await self._batch_in(plan, by_request, handler, connection, failures)
-                    )
-                except _HandlerFailedError as exc:
-                    failures = {exc.index: exc.error}
-                    break
-                except StoreConflictError:
-                    if connection is not None or attempt == CLAIM_ATTEMPTS:
-                        raise
-        raise AssertionError("unreachable: the isolated pass never raises _HandlerFailedError")
-
-    async def _batch_in(
-        self,
-        plan: BatchPlan,
-        by_request: list[Message],
-        handler: Callable[[Message, Any], Any],
-        connection: Any,
-        failures: dict[int, Exception] | None,
-    ) -> list[Outcome[Any]]:
-        store = cast(AsyncTransactionalStore, self.store)
-        outcomes: list[Outcome[Any]] = []
-        async with store.transaction(connection) as tx:
-            to_claim = _to_claim(plan.requests, failures)
-            claims = await store.claim_many_in(tx, to_claim) if to_claim else []
-            for i, (request, judged, msg) in enumerate(
-                zip(
-                    plan.requests, _judged(plan.requests, claims, failures), by_request, strict=True
-                )
-            ):
-                if judged is not None:
-                    outcomes.append(judged)
-                    continue
-                if failures is None:
-                    try:
-                        result = await _ahandle_and_save(store, tx, request, handler(msg, tx))
-                    except Exception as exc:
-                        raise _HandlerFailedError(i, exc) from exc
-                    outcomes.append(processed(request, result))
-                    continue
-                try:
-                    async with store.savepoint(tx):
-                        result = await _ahandle_and_save(store, tx, request, handler(msg, tx))
-                except Exception as exc:
-                    await store.release_in(tx, request.key, request.owner)
-                    outcomes.append(failed(request, exc))
-                else:
-                    outcomes.append(processed(request, result))
-        return outcomes
-
-    async def _batch_lease_one(
-        self,
-        request: ClaimRequest,
-        judged: Outcome[Any] | None,
-        msg: Message,
-        handler: Callable[[Message, Any], Any],
-    ) -> Outcome[Any]:
-        if judged is not None:
-            return judged
-        try:
-            result = await _maybe_await(handler(msg, None))
-            encoded = encode_result(result)
-        except Exception as exc:
-            await self._release(request, exc)
-            return failed(request, exc)
-        await self.store.complete(request.key, request.owner, encoded, self.policy.clock())
-        return processed(request, result)
-
-    def idempotent(
-        self,
-        key: Callable[..., object],
-        *,
-        business_id: Callable[..., object] | None = None,
-        payload: Callable[..., object] | None = None,
-    ) -> Callable[[Callable[..., Any]], Callable[..., Awaitable[Outcome[Any]]]]:
-        """See :meth:`Idempotency.idempotent`; the decorated function may be async."""
-
-        def decorate(fn: Callable[..., Any]) -> Callable[..., Awaitable[Outcome[Any]]]:
-            bind = _call_with_tx(fn)
-
-            @functools.wraps(fn)
-            async def wrapper(*args: Any, **kwargs: Any) -> Outcome[Any]:
-                return await self.process(
-                    cast(str, _key_of(key, args, kwargs)),
-                    bind(*args, **kwargs),
-                    business_id=_optional(business_id, args, kwargs),
-                    payload=_optional(payload, args, kwargs),
-                )
-
-            return wrapper
-
-        return decorate
-
-
-async def _maybe_await(value: Awaitable[T] | T) -> T:
-    if inspect.isawaitable(value):
-        return await value
-    return value
+            step = flow.send(reply)
+        except StopIteration as stop:
+            return cast(list[Outcome[Any]], stop.value)
+        reply = claim(step) if isinstance(step, list) else handle(step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import idemq
+from idemq.batch_flow import plan_batch
 from idemq.core import (
     Mode,
     Policy,
@@ -13,7 +14,6 @@ from idemq.core import (
     encode_result,
     hash_payload,
     judge,
-    plan_batch,
     validate_business_id,
 )
 from idemq.stores.base import Claim, Key, Record, RecordStatus

@@ -58,7 +58,7 @@ from idemq.errors import (
     InvalidMessageError,
     InvalidMessageIdError,
 )
-from idemq.idempotency import AsyncIdempotency
+from idemq.idempotency_async import AsyncIdempotency
 from idemq.message import BUSINESS_ID_HEADER
 
 from ._faststream_brokers import Family, family_of
