@@ -36,7 +36,8 @@ from idemq.stores import open_store
 from idemq.stores.base import Record, RecordStatus, StoreStats
 from idemq.stores.memory import MemoryStore
 from idemq.stores.redis import AsyncRedisStore, RedisStore
-from idemq.stores.sql import AsyncSqlStore, SqlStore
+from idemq.stores.sql import SqlStore
+from idemq.stores.sql_async import AsyncSqlStore
 from idemq.versioned import versioned_update, versioned_update_async
 
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 It only sequences store calls; what a claim means is decided in :func:`idemq.core.judge`, what a
 batch does next in :mod:`idemq.batch_flow`. :mod:`idemq.idempotency_async` is its asyncio twin,
-built on the same base (:class:`_Guard`) and the same I/O-free decisions.
+built on the same base (:class:`GuardBase`) and the same I/O-free decisions.
 
 Transactional mode (SQL)::
 
@@ -83,7 +83,7 @@ def _mode_for(store: object, mode: str | None, transactional: bool) -> str:
     return mode
 
 
-def _key_of(key: Callable[..., object], args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+def key_of(key: Callable[..., object], args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """Run the user's key function; a message without an id is an invalid message, not a crash."""
     try:
         return key(*args, **kwargs)
@@ -91,7 +91,7 @@ def _key_of(key: Callable[..., object], args: tuple[Any, ...], kwargs: dict[str,
         raise InvalidMessageIdError(f"could not extract the message id: {exc!r}") from exc
 
 
-def _call_with_tx(fn: Callable[..., T]) -> Callable[..., Callable[[Any], T]]:
+def call_with_tx(fn: Callable[..., T]) -> Callable[..., Callable[[Any], T]]:
     """Adapt ``fn(*args, tx=…)`` (or ``fn(*args)`` if it takes no ``tx``) to ``handler(tx)``."""
     takes_tx = "tx" in inspect.signature(fn).parameters
 
@@ -103,11 +103,13 @@ def _call_with_tx(fn: Callable[..., T]) -> Callable[..., Callable[[Any], T]]:
     return bind
 
 
-def _optional(fn: Callable[..., object] | None, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+def optional_call(
+    fn: Callable[..., object] | None, args: tuple[Any, ...], kw: dict[str, Any]
+) -> Any:
     return None if fn is None else fn(*args, **kw)
 
 
-class _Guard(Generic[S]):
+class GuardBase(Generic[S]):
     """What the sync and the async guard share: settings, store and observer."""
 
     # The store protocol whose stores run handlers in the dedup transaction (the default mode).
@@ -141,7 +143,7 @@ class _Guard(Generic[S]):
         return self.policy.mode
 
 
-class Idempotency(_Guard[Store]):
+class Idempotency(GuardBase[Store]):
     """Guards message handlers so each message's effect happens once.
 
     ``Idempotency(SqlStore(url), consumer="orders")`` runs handlers in the dedup transaction;
@@ -354,15 +356,15 @@ class Idempotency(_Guard[Store]):
         """
 
         def decorate(fn: Callable[..., T]) -> Callable[..., Outcome[T]]:
-            bind = _call_with_tx(fn)
+            bind = call_with_tx(fn)
 
             @functools.wraps(fn)
             def wrapper(*args: Any, **kwargs: Any) -> Outcome[T]:
                 return self.process(
-                    cast(str, _key_of(key, args, kwargs)),
+                    cast(str, key_of(key, args, kwargs)),
                     bind(*args, **kwargs),
-                    business_id=_optional(business_id, args, kwargs),
-                    payload=_optional(payload, args, kwargs),
+                    business_id=optional_call(business_id, args, kwargs),
+                    payload=optional_call(payload, args, kwargs),
                 )
 
             return wrapper

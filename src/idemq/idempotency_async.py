@@ -24,7 +24,7 @@ from idemq.batch_flow import (
 )
 from idemq.core import CLAIM_ATTEMPTS, NULL_RESULT, Mode, Outcome, encode_result, judge, processed
 from idemq.errors import StoreConflictError
-from idemq.idempotency import _call_with_tx, _Guard, _key_of, _optional
+from idemq.idempotency import GuardBase, call_with_tx, key_of, optional_call
 from idemq.message import Message
 from idemq.observe import Probe, awatch_handler, claim_status, report_batch
 from idemq.stores.base import AsyncStore, AsyncTransactionalStore, Claim, ClaimRequest
@@ -34,7 +34,7 @@ __all__ = ["AsyncIdempotency"]
 T = TypeVar("T")
 
 
-class AsyncIdempotency(_Guard[AsyncStore]):
+class AsyncIdempotency(GuardBase[AsyncStore]):
     """The asyncio twin of :class:`Idempotency`: same arguments, ``await guard.process(...)``.
 
     ``handler`` may be a coroutine function or a plain function.
@@ -228,15 +228,15 @@ class AsyncIdempotency(_Guard[AsyncStore]):
         """See :meth:`Idempotency.idempotent`; the decorated function may be async."""
 
         def decorate(fn: Callable[..., Any]) -> Callable[..., Awaitable[Outcome[Any]]]:
-            bind = _call_with_tx(fn)
+            bind = call_with_tx(fn)
 
             @functools.wraps(fn)
             async def wrapper(*args: Any, **kwargs: Any) -> Outcome[Any]:
                 return await self.process(
-                    cast(str, _key_of(key, args, kwargs)),
+                    cast(str, key_of(key, args, kwargs)),
                     bind(*args, **kwargs),
-                    business_id=_optional(business_id, args, kwargs),
-                    payload=_optional(payload, args, kwargs),
+                    business_id=optional_call(business_id, args, kwargs),
+                    payload=optional_call(payload, args, kwargs),
                 )
 
             return wrapper
