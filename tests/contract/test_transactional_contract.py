@@ -76,6 +76,34 @@ def test_handler_error_rolls_back_effect_and_dedup_row(sql_store, ledger):
     assert rows(sql_store, ledger) == [("M", 10)]
 
 
+def test_statements_on_the_driver_connection_under_tx_share_its_transaction(sql_store, ledger):
+    """The README's fast path for a hot handler: the DBAPI cursor under ``tx`` (no SQLAlchemy
+    execution per statement) writes inside the dedup transaction — committed with the dedup
+    row, rolled back with it."""
+    guard = idemq.Idempotency(sql_store, consumer="orders")
+    name = sql_store.engine.dialect.identifier_preparer.format_table(ledger)
+    marker = "?" if sql_store.engine.dialect.paramstyle == "qmark" else "%s"
+    insert = f"INSERT INTO {name} (message_id, amount) VALUES ({marker}, {marker})"
+
+    def pay_on_driver(message_id: str, *, fail: bool = False) -> Any:
+        def handler(tx: sa.Connection) -> None:
+            cursor = tx.connection.driver_connection.cursor()
+            cursor.execute(insert, (message_id, 10))
+            if fail:
+                raise RuntimeError("crash after the business write")
+
+        return handler
+
+    with pytest.raises(RuntimeError, match="after the business write"):
+        guard.process("D1", pay_on_driver("D1", fail=True))
+    assert rows(sql_store, ledger) == []
+    assert sql_store.get("D1", "orders") is None
+
+    assert guard.process("D1", pay_on_driver("D1")).status is idemq.Status.PROCESSED
+    assert guard.process("D1", pay_on_driver("D1")).status is idemq.Status.DUPLICATE
+    assert rows(sql_store, ledger) == [("D1", 10)]
+
+
 def test_none_result_is_replayed_as_none(sql_store, ledger):
     guard = idemq.Idempotency(sql_store, consumer="orders")
     guard.process("M", lambda tx: None)
