@@ -135,6 +135,12 @@ def validate_business_id(business_id: object) -> str | None:
     return business_id
 
 
+# One encoder each, built once: json.dumps with any non-default option builds a new JSONEncoder
+# per call, which costs more than encoding a small result.
+_PAYLOAD_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_RESULT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def hash_payload(payload: object) -> str | None:
     """SHA-256 hex of a payload: bytes as is, str as UTF-8, anything else as canonical JSON."""
     if payload is None:
@@ -145,9 +151,7 @@ def hash_payload(payload: object) -> str | None:
         data = payload.encode("utf-8", "surrogatepass")
     else:
         try:
-            data = json.dumps(
-                payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False
-            ).encode("utf-8")
+            data = _PAYLOAD_JSON.encode(payload).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise InvalidMessageError(
                 f"payload of type {type(payload).__name__} is not bytes, str or JSON-serializable"
@@ -160,7 +164,7 @@ def encode_result(result: object) -> str:
     if result is None:
         return NULL_RESULT
     try:
-        return json.dumps(result, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return _RESULT_JSON.encode(result)
     except (TypeError, ValueError) as exc:
         raise ResultNotSerializableError(
             f"handler result of type {type(result).__name__} cannot be stored as JSON: {exc}"
