@@ -125,14 +125,28 @@ async def test_async_batch_and_invalid_ids(async_store):
     guard = idemq.AsyncIdempotency(async_store, consumer="orders", mode=mode)
 
     async def handle(msg: idemq.Message, tx: Any) -> str:
-        if msg.id == "bad":
+        if msg.body == b"poison":
             raise ValueError("poison")
         return msg.id
 
+    # "bad" ends the savepoint-free pass; "worse" then fails inside the isolated pass, after
+    # its claim, which must be undone too.
+    batch = [("a", b"x"), ("bad", b"poison"), ("a", b"x"), ("b", b"x"), ("worse", b"poison")]
     outcomes = await guard.process_batch(
-        [idemq.Message(id=i, body=b"x") for i in ("a", "bad", "a", "b")], handle
+        [idemq.Message(id=i, body=body) for i, body in batch], handle
     )
-    assert [o.status.value for o in outcomes] == ["processed", "failed", "duplicate", "processed"]
+    assert [o.status.value for o in outcomes] == [
+        "processed",
+        "failed",
+        "duplicate",
+        "processed",
+        "failed",
+    ]
     with pytest.raises(idemq.InvalidMessageIdError):
         await guard.process("", lambda tx: None)
     assert await async_store.get("bad", "orders") is None
+    assert await async_store.get("worse", "orders") is None
+    retried = await guard.process_batch(
+        [idemq.Message(id=i, body=b"fixed") for i in ("bad", "worse")], handle
+    )
+    assert [o.result for o in retried] == ["bad", "worse"]

@@ -156,6 +156,33 @@ def test_a_poison_message_fails_alone_and_its_claim_is_undone(any_store, effects
     assert effects.counts() == Counter({"A": 1, "B": 1, "P": 1})
 
 
+def test_a_second_poison_message_fails_in_the_isolated_pass_and_its_claim_is_undone(
+    any_store, effects
+):
+    # The first poison message ends the savepoint-free pass and is not claimed again; the
+    # second one fails inside the isolated pass, after its claim: that claim must be released,
+    # or its retry would read as a duplicate of a message whose effect never committed.
+    guard = guard_for(any_store, unique("c"))
+    batch = [
+        idemq.Message(id="P1", body=b"poison"),
+        idemq.Message(id="A", body=b"a"),
+        idemq.Message(id="P2", body=b"poison"),
+    ]
+    outcomes = guard.process_batch(batch, effects.handler)
+    assert [o.status for o in outcomes] == [
+        idemq.Status.FAILED,
+        idemq.Status.PROCESSED,
+        idemq.Status.FAILED,
+    ]
+    assert effects.counts() == Counter({"A": 1})
+    retried = guard.process_batch(
+        [idemq.Message(id="P1", body=b"fixed"), idemq.Message(id="P2", body=b"fixed")],
+        effects.handler,
+    )
+    assert [o.status for o in retried] == [idemq.Status.PROCESSED, idemq.Status.PROCESSED]
+    assert effects.counts() == Counter({"A": 1, "P1": 1, "P2": 1})
+
+
 CRASHER = textwrap.dedent(
     """
     import os, sys, time
