@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import redis
 import redis.asyncio
@@ -52,6 +52,8 @@ from idemq.stores.redis_io import Op, Pause, RunScript, Step, adrive, describe_s
 from idemq.stores.redis_io import translate_error as _translate
 
 __all__ = ["AsyncRedisLock", "RedisLock"]
+
+C = TypeVar("C", redis.Redis, redis.asyncio.Redis)
 
 DEFAULT_MAX_RENEWALS = 100
 """With auto_renew, at most this many extensions (every ⅓ TTL: 1000 s for a 30 s lock)."""
@@ -167,21 +169,13 @@ class _LockState:
         return self.scripts[step.script.name](keys=step.keys, args=step.args)
 
 
-class RedisLock:
-    """A distributed lock on Redis with an owner token and a fencing token.
-
-    ``acquire(blocking=True, timeout_s=None) -> bool``; :meth:`release` and :meth:`extend` raise
-    :class:`~idemq.LockNotOwnedError` when the lock expired meanwhile; ``with lock:`` acquires
-    (blocking, ``blocking_timeout_s``) or raises :class:`~idemq.LockError`.
-    :attr:`fencing_token` is strictly increasing per lock name: pass it to every write the lock
-    protects. ``auto_renew=True`` starts a watchdog thread extending the lock every ⅓ TTL, at
-    most ``max_renewals`` times; on loss it sets :attr:`lost` and calls ``on_lost()`` (from the
-    watchdog thread). ``rng``/``monotonic`` are injectable for deterministic tests.
-    """
+class _LockShell(Generic[C]):
+    """What the sync and the async lock share: the constructor, the state, the read-only
+    properties. They differ only in how they execute a step and run the watchdog."""
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: C,
         name: str,
         ttl_s: float = 30,
         *,
@@ -194,7 +188,6 @@ class RedisLock:
         rng: random.Random | None = None,
         monotonic: Callable[[], float] | None = None,
     ) -> None:
-        self._client = client
         self._state = _LockState(
             client,
             name,
@@ -208,24 +201,13 @@ class RedisLock:
             rng=rng,
             monotonic=monotonic,
         )
-        self._stop = threading.Event()
-        self._watchdog: threading.Thread | None = None
+        self._init_watchdog()
+
+    def _init_watchdog(self) -> None:
+        raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"RedisLock({self._state.name!r}, {self._state.server})"
-
-    def _execute(self, step: Step, stop: threading.Event | None = None) -> Any:
-        if isinstance(step, Pause):
-            if stop is None:
-                time.sleep(step.seconds)
-                return False
-            return stop.wait(step.seconds)
-        if not isinstance(step, RunScript):
-            raise TypeError(f"RedisLock cannot execute {step!r}")
-        try:
-            return self._state.call(step)
-        except rx.RedisError as exc:
-            raise _translate(exc, step.script.name, self._state.server) from exc
+        return f"{type(self).__name__}({self._state.name!r}, {self._state.server})"
 
     @property
     def name(self) -> str:
@@ -239,8 +221,38 @@ class RedisLock:
 
     @property
     def lost(self) -> bool:
-        """True once the watchdog (or :meth:`extend`) found the lock taken or expired."""
+        """True once the watchdog (or ``extend``) found the lock taken or expired."""
         return self._state.lost
+
+
+class RedisLock(_LockShell[redis.Redis]):
+    """A distributed lock on Redis with an owner token and a fencing token.
+
+    ``acquire(blocking=True, timeout_s=None) -> bool``; :meth:`release` and :meth:`extend` raise
+    :class:`~idemq.LockNotOwnedError` when the lock expired meanwhile; ``with lock:`` acquires
+    (blocking, ``blocking_timeout_s``) or raises :class:`~idemq.LockError`.
+    :attr:`fencing_token` is strictly increasing per lock name: pass it to every write the lock
+    protects. ``auto_renew=True`` starts a watchdog thread extending the lock every ⅓ TTL, at
+    most ``max_renewals`` times; on loss it sets :attr:`lost` and calls ``on_lost()`` (from the
+    watchdog thread). ``rng``/``monotonic`` are injectable for deterministic tests.
+    """
+
+    def _init_watchdog(self) -> None:
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    def _execute(self, step: Step, stop: threading.Event | None = None) -> Any:
+        if isinstance(step, Pause):
+            if stop is None:
+                time.sleep(step.seconds)
+                return False
+            return stop.wait(step.seconds)
+        if not isinstance(step, RunScript):
+            raise TypeError(f"RedisLock cannot execute {step!r}")
+        try:
+            return self._state.call(step)
+        except rx.RedisError as exc:
+            raise _translate(exc, step.script.name, self._state.server) from exc
 
     def acquire(self, blocking: bool = True, timeout_s: float | None = None) -> bool:
         """Take the lock; False only when non-blocking or ``timeout_s`` ran out."""
@@ -304,43 +316,12 @@ class RedisLock:
                 raise
 
 
-class AsyncRedisLock:
+class AsyncRedisLock(_LockShell[redis.asyncio.Redis]):
     """Async twin of :class:`RedisLock` (``redis.asyncio.Redis``); the watchdog is a task."""
 
-    def __init__(
-        self,
-        client: redis.asyncio.Redis,
-        name: str,
-        ttl_s: float = 30,
-        *,
-        prefix: str = "idemq:lock",
-        auto_renew: bool = False,
-        max_renewals: int | None = DEFAULT_MAX_RENEWALS,
-        on_lost: Callable[[], object] | None = None,
-        blocking_timeout_s: float | None = None,
-        poll_s: float = 0.01,
-        rng: random.Random | None = None,
-        monotonic: Callable[[], float] | None = None,
-    ) -> None:
-        self._client = client
-        self._state = _LockState(
-            client,
-            name,
-            ttl_s,
-            prefix=prefix,
-            auto_renew=auto_renew,
-            max_renewals=max_renewals,
-            on_lost=on_lost,
-            blocking_timeout_s=blocking_timeout_s,
-            poll_s=poll_s,
-            rng=rng,
-            monotonic=monotonic,
-        )
+    def _init_watchdog(self) -> None:
         self._stop = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
-
-    def __repr__(self) -> str:
-        return f"AsyncRedisLock({self._state.name!r}, {self._state.server})"
 
     async def _execute(self, step: Step, stop: asyncio.Event | None = None) -> Any:
         if isinstance(step, Pause):
@@ -358,21 +339,6 @@ class AsyncRedisLock:
             return await self._state.call(step)
         except rx.RedisError as exc:
             raise _translate(exc, step.script.name, self._state.server) from exc
-
-    @property
-    def name(self) -> str:
-        """See :attr:`RedisLock.name`."""
-        return self._state.name
-
-    @property
-    def fencing_token(self) -> int:
-        """See :attr:`RedisLock.fencing_token`."""
-        return self._state.fencing_token()
-
-    @property
-    def lost(self) -> bool:
-        """See :attr:`RedisLock.lost`."""
-        return self._state.lost
 
     async def acquire(self, blocking: bool = True, timeout_s: float | None = None) -> bool:
         """See :meth:`RedisLock.acquire`."""
