@@ -22,14 +22,15 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from idemq.core import CLAIM_ATTEMPTS, Outcome, Policy, Status, judge
+from idemq.core import CLAIM_ATTEMPTS, Outcome, Policy, Status, judge, processed
 from idemq.errors import InvalidInputError, PayloadMismatchError, StoreConflictError
 from idemq.stores.base import Claim, ClaimRequest
 
 __all__ = [
+    "BatchItem",
     "BatchPasses",
-    "Flow",
     "BatchPlan",
+    "Flow",
     "Handle",
     "HandlerFailedError",
     "batch_flow",
@@ -117,12 +118,15 @@ def failed(request: ClaimRequest, error: BaseException) -> Outcome[Any]:
 @dataclass(frozen=True, slots=True)
 class Handle:
     """Step: run the handler of ``message`` and keep its result (saved in the transaction, or
-    the lease completed). The shell sends back ``(True, result)``, or ``(False, error)`` when the
-    handler raised — after undoing what it can (savepoint rolled back and claim released, or
-    lease released). A failing store raises instead: that fails the batch, not the message."""
+    the lease completed). ``isolated``: on its own — in a transaction, inside a savepoint, its
+    claim released if the handler raises. The shell sends back ``(True, result)``, or
+    ``(False, error)`` when the handler raised — after undoing what it can (savepoint rolled back
+    and claim released, or lease released). A failing store raises instead: that fails the
+    batch, not the message."""
 
     request: ClaimRequest
     message: Any
+    isolated: bool
 
 
 Step = list[ClaimRequest] | Handle
@@ -159,9 +163,9 @@ def batch_flow(
         if judged is not None:
             outcomes.append(judged)
             continue
-        ok, value = yield Handle(request, messages[i])
+        ok, value = yield Handle(request, messages[i], isolated)
         if ok:
-            outcomes.append(Outcome(Status.PROCESSED, request.key.message_id, value))
+            outcomes.append(processed(request, value))
         elif isolated:
             outcomes.append(failed(request, value))
         else:

@@ -303,26 +303,26 @@ class Idempotency(GuardBase[Store]):
     ) -> list[Outcome[Any]]:
         """One pass of a transactional batch, in one transaction."""
         store = cast(TransactionalStore, self.store)
-        isolated = passes.isolated
-        flow = batch_flow(plan, by_request, isolated=isolated, failures=passes.failures)
+        flow = batch_flow(plan, by_request, isolated=passes.isolated, failures=passes.failures)
         with store.transaction(connection) as tx:
             return _drive(
                 flow,
                 lambda requests: store.claim_many_in(tx, requests),
-                lambda step: self._handle_in(tx, handler, isolated, step),
+                lambda step: self._handle_in(tx, handler, step),
             )
 
     def _handle_in(
-        self, tx: Any, handler: Callable[[Message, Any], Any], isolated: bool, step: Handle
+        self, tx: Any, handler: Callable[[Message, Any], Any], step: Handle
     ) -> tuple[bool, Any]:
         """A :class:`Handle` step in the batch's transaction (isolated: in a savepoint)."""
         store = cast(TransactionalStore, self.store)
         request = step.request
         try:
-            with store.savepoint(tx) if isolated else nullcontext():
+            with store.savepoint(tx) if step.isolated else nullcontext():
                 result = _handle_and_save(store, tx, request, handler(step.message, tx))
         except Exception as exc:
-            if isolated:  # its writes are rolled back; its claim goes too, so it can be retried
+            # Its writes are rolled back; its claim goes too, so it can be retried.
+            if step.isolated:
                 store.release_in(tx, request.key, request.owner)
             return False, exc
         return True, result

@@ -182,25 +182,24 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         passes: BatchPasses,
     ) -> list[Outcome[Any]]:
         store = cast(AsyncTransactionalStore, self.store)
-        isolated = passes.isolated
-        flow = batch_flow(plan, by_request, isolated=isolated, failures=passes.failures)
+        flow = batch_flow(plan, by_request, isolated=passes.isolated, failures=passes.failures)
         async with store.transaction(connection) as tx:
             return await _adrive(
                 flow,
                 lambda requests: store.claim_many_in(tx, requests),
-                lambda step: self._handle_in(tx, handler, isolated, step),
+                lambda step: self._handle_in(tx, handler, step),
             )
 
     async def _handle_in(
-        self, tx: Any, handler: Callable[[Message, Any], Any], isolated: bool, step: Handle
+        self, tx: Any, handler: Callable[[Message, Any], Any], step: Handle
     ) -> tuple[bool, Any]:
         store = cast(AsyncTransactionalStore, self.store)
         request = step.request
         try:
-            async with store.savepoint(tx) if isolated else nullcontext():
+            async with store.savepoint(tx) if step.isolated else nullcontext():
                 result = await _ahandle_and_save(store, tx, request, handler(step.message, tx))
         except Exception as exc:
-            if isolated:
+            if step.isolated:
                 await store.release_in(tx, request.key, request.owner)
             return False, exc
         return True, result
@@ -265,7 +264,7 @@ async def _adrive(
     claim: Callable[[list[ClaimRequest]], Awaitable[list[Claim]]],
     handle: Callable[[Handle], Awaitable[tuple[bool, Any]]],
 ) -> list[Outcome[Any]]:
-    """:func:`_drive` for the async guard."""
+    """:func:`idemq.idempotency._drive` for the async guard."""
     reply: Any = None
     while True:
         try:

@@ -118,6 +118,16 @@ def test_a_batch_with_nothing_to_claim_asks_for_nothing():
     assert outcomes[0].error is boom
 
 
+@pytest.mark.parametrize("isolated", [False, True])
+def test_each_handle_step_says_whether_the_shell_isolates_it(isolated: bool):
+    plan, messages = plan_of("a", "b")
+    flow = batch_flow(plan, messages, isolated=isolated)
+    next(flow)  # the claim step
+    step = flow.send([Claim.won(), Claim.won()])
+    assert isinstance(step, Handle)
+    assert (step.request.key.message_id, step.isolated) == ("a", isolated)
+
+
 def test_passes_go_isolated_once_after_a_handler_failed():
     passes = BatchPasses(owns_transaction=True)
     assert not passes.isolated

@@ -22,7 +22,19 @@ from idemq.errors import StoreConflictError
 from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus, StoreStats
 from idemq.stores.sql_schema import as_utc
 
-__all__ = ["COLS", "INSERT_COLS", "KEY_WHERE", "Ops", "Plan", "Reply"]
+__all__ = [
+    "CLAIM_TRIES",
+    "COLS",
+    "INSERT_COLS",
+    "KEY_WHERE",
+    "SAME_PAYLOAD",
+    "Ops",
+    "Plan",
+    "Reply",
+    "json_record",
+    "key_params",
+    "row_record",
+]
 
 COLS = (
     "consumer, message_id, status, business_id, payload_hash, result, owner, "
