@@ -33,17 +33,28 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import bindparam, or_, select, update
 
-from idemq._sqlident import Plan, check_columns, check_identifier, run_plan, run_plan_async
+from idemq._sqlident import (
+    Plan,
+    Prepared,
+    bind_type,
+    check_columns,
+    check_identifier,
+    run_plan,
+    run_plan_async,
+)
 from idemq._sqlident import table_clause as _table
 from idemq.errors import ConfigurationError, InvalidInputError, UnknownEventError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
-    from sqlalchemy.ext.asyncio import AsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
+    from sqlalchemy.types import TypeEngine
 
 __all__ = ["StateMachine", "Transition", "TransitionResult"]
 
@@ -51,6 +62,17 @@ __all__ = ["StateMachine", "Transition", "TransitionResult"]
 # like a legal source state that the UPDATE nevertheless did not match; the UPDATE is then simply
 # tried again. Bounded, because it can only happen while another writer keeps flipping the row.
 _MAX_ATTEMPTS = 3
+_SHAPES = 64  # statement shapes kept per machine
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """The statements of one kind of :meth:`StateMachine.apply` call, and its fixed binds."""
+
+    update: Prepared
+    probe: Prepared
+    fixed: dict[str, Any]  # target and source states
+    extra_binds: tuple[str, ...]  # the bind of each extra column, in order
 
 
 class TransitionResult(enum.StrEnum):
@@ -139,6 +161,8 @@ class StateMachine:
         }
         if not self.transitions:
             raise ConfigurationError("a StateMachine needs at least one transition")
+        # One entry per kind of call (event, extra columns, fenced, key type): a handful.
+        self._shape = lru_cache(maxsize=_SHAPES)(self._build_shape)
 
     def __repr__(self) -> str:
         return (
@@ -148,14 +172,15 @@ class StateMachine:
 
     def apply(
         self,
-        conn: Connection,
+        conn: Connection | Session,
         key: Any,
         event: str,
         extra_values: Mapping[str, Any] | None = None,
         *,
         fence: int | None = None,
     ) -> TransitionResult:
-        """Apply ``event`` to the row ``key`` inside ``conn``'s current transaction.
+        """Apply ``event`` to the row ``key`` inside ``conn``'s current transaction (``conn``: a
+        ``Connection``, e.g. a handler's ``tx``, or an ORM ``Session``).
 
         ``extra_values`` (column → value, bound as parameters) are written only together with the
         transition, e.g. ``{"paid_by": message_id}``. ``fence`` is a fencing token (e.g.
@@ -171,7 +196,7 @@ class StateMachine:
 
     async def apply_async(
         self,
-        conn: AsyncConnection,
+        conn: AsyncConnection | AsyncSession,
         key: Any,
         event: str,
         extra_values: Mapping[str, Any] | None = None,
@@ -202,31 +227,17 @@ class StateMachine:
     ) -> Plan[TransitionResult]:
         edge = self.transition(event)
         extra = dict(extra_values or {})
-        reserved = {self.key_column, self.state_column, self.fence_column}
-        extra_cols = check_columns(extra, "extra_values", reserved)
         fence = _check_fence(fence)
         fenced = fence is not None
-        cols = [self.key_column, self.state_column, self.fence_column, *extra_cols]
-        tbl = _table(self.table, *cols)
-        key_col, state_col, fence_col = (
-            tbl.c[self.key_column],
-            tbl.c[self.state_column],
-            tbl.c[self.fence_column],
-        )
-
-        values: dict[str, Any] = {self.state_column: edge.target, **extra}
-        stmt = update(tbl).where(key_col == bindparam("k", key), state_col.in_(edge.sources))
+        shape = self._shape(event, tuple(extra), fenced, bind_type(key))
+        params = {**shape.fixed, "k": key}
+        for bind, value in zip(shape.extra_binds, extra.values(), strict=True):
+            params[bind] = value
         if fenced:
-            values[self.fence_column] = fence
-            # NULL = never fenced; equal tokens are the same lock holder writing again.
-            stmt = stmt.where(or_(fence_col.is_(None), fence_col <= fence))
-        stmt = stmt.values(values)
-
-        probe_cols = [state_col, fence_col] if fenced else [state_col]
-        probe = select(*probe_cols).where(key_col == bindparam("k", key)).with_for_update()
+            params["fence"] = fence
 
         for _ in range(_MAX_ATTEMPTS):
-            matched = (yield stmt).rowcount
+            matched = (yield shape.update, params).rowcount
             if matched == 1:
                 return TransitionResult.APPLIED
             if matched > 1:
@@ -234,7 +245,7 @@ class StateMachine:
                     f"{self.table}.{self.key_column} is not unique: {matched} rows matched "
                     f"{key!r}; roll back the transaction"
                 )
-            row = (yield probe).first()
+            row = (yield shape.probe, {"k": key}).first()
             if row is None:
                 return TransitionResult.NOT_FOUND
             found = tuple(row)  # (state,) or (state, fence_token)
@@ -242,6 +253,45 @@ class StateMachine:
             if verdict is not None:
                 return verdict
         return TransitionResult.REJECTED
+
+    def _build_shape(
+        self, event: str, extra_cols: tuple[str, ...], fenced: bool, key_type: TypeEngine[Any]
+    ) -> _Shape:
+        """The statements of one kind of call, built once (see :class:`_sqlident.Prepared`).
+
+        ``key_type`` is part of the shape: the key's bind has the SQL type of the key's Python
+        type (a ``uuid.UUID`` key is converted on SQLite, a str is not), as a Core statement
+        built per call would give it.
+        """
+        edge = self.transition(event)
+        reserved = {self.key_column, self.state_column, self.fence_column}
+        check_columns(dict.fromkeys(extra_cols), "extra_values", reserved)
+        tbl = _table(self.table, self.key_column, self.state_column, self.fence_column, *extra_cols)
+        key_col, state_col, fence_col = (
+            tbl.c[self.key_column],
+            tbl.c[self.state_column],
+            tbl.c[self.fence_column],
+        )
+        key_bind = bindparam("k", type_=key_type)
+        sources = [f"s{i}" for i in range(len(edge.sources))]
+        extra_binds = tuple(f"x{i}" for i in range(len(extra_cols)))
+
+        values: dict[str, Any] = {self.state_column: bindparam("target")}
+        values.update({col: bindparam(b) for col, b in zip(extra_cols, extra_binds, strict=True)})
+        stmt = update(tbl).where(
+            key_col == key_bind, state_col.in_([bindparam(b) for b in sources])
+        )
+        if fenced:
+            values[self.fence_column] = bindparam("fence")
+            # NULL = never fenced; equal tokens are the same lock holder writing again.
+            stmt = stmt.where(or_(fence_col.is_(None), fence_col <= bindparam("fence")))
+        probe_cols = [state_col, fence_col] if fenced else [state_col]
+        return _Shape(
+            update=Prepared(stmt.values(values)),
+            probe=Prepared(select(*probe_cols).where(key_col == key_bind).with_for_update()),
+            fixed={"target": edge.target, **dict(zip(sources, edge.sources, strict=True))},
+            extra_binds=extra_binds,
+        )
 
     def _classify(
         self, edge: Transition, state: Any, row_fence: Any, fence: int | None

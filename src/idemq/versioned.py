@@ -20,23 +20,35 @@ the lock; the row remembers the highest token that wrote to it and refuses older
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import bindparam, or_, update
+from sqlalchemy import Integer, bindparam, literal_column, or_, update
 
-from idemq._sqlident import Plan, check_columns, check_identifier, run_plan, run_plan_async
+from idemq._sqlident import (
+    Plan,
+    Prepared,
+    bind_type,
+    check_columns,
+    check_identifier,
+    run_plan,
+    run_plan_async,
+)
 from idemq._sqlident import table_clause as _table
 from idemq.errors import ConfigurationError, InvalidInputError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
-    from sqlalchemy.ext.asyncio import AsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
+    from sqlalchemy.types import TypeEngine
 
 __all__ = ["versioned_update", "versioned_update_async"]
 
 
 def versioned_update(  # noqa: PLR0917 -- positional shape fixed by the public contract
-    conn: Connection,
+    conn: Connection | Session,
     table: str,
     key_column: str,
     key: Any,
@@ -49,11 +61,12 @@ def versioned_update(  # noqa: PLR0917 -- positional shape fixed by the public c
 ) -> bool:
     """Write ``values`` and bump the version iff the row is still at ``expected_version``.
 
-    Runs inside ``conn``'s current transaction (commit is the caller's). Returns True when this
-    call wrote the row, False when the version moved on, the key does not exist, or — with
-    ``fence`` — the row has already been written under a larger fencing token. Table and column
-    names are validated (→ :class:`~idemq.ConfigurationError`); every value is a bound
-    parameter. Database failures raise :class:`~idemq.StoreError` subclasses (cause kept).
+    Runs inside the current transaction of ``conn`` (a ``Connection`` or an ORM ``Session``;
+    commit is the caller's). Returns True when this call wrote the row, False when the version
+    moved on, the key does not exist, or — with ``fence`` — the row has already been written
+    under a larger fencing token. Table and column names are validated
+    (→ :class:`~idemq.ConfigurationError`); every value is a bound parameter. Database failures
+    raise :class:`~idemq.StoreError` subclasses (cause kept).
     """
     plan = _plan(
         table=table,
@@ -69,7 +82,7 @@ def versioned_update(  # noqa: PLR0917 -- positional shape fixed by the public c
 
 
 async def versioned_update_async(  # noqa: PLR0917 -- mirrors versioned_update
-    conn: AsyncConnection,
+    conn: AsyncConnection | AsyncSession,
     table: str,
     key_column: str,
     key: Any,
@@ -106,39 +119,78 @@ def _plan(
     fence_column: str,
 ) -> Plan[bool]:
     """The CAS, written once for both shells: one UPDATE, decided by its rowcount."""
+    # Checked before the statement cache: a name that is not a str must not reach its key.
     check_identifier(key_column, "key_column")
     check_identifier(version_column, "version_column")
     check_identifier(fence_column, "fence_column")
-    managed = {key_column, version_column, fence_column}
-    if len(managed) != 3:
-        raise ConfigurationError(
-            "key_column, version_column and fence_column must differ, got "
-            f"{[key_column, version_column, fence_column]}"
-        )
-    value_cols = check_columns(values, "values", managed)
     for name, number in (("expected_version", expected_version), ("fence", fence)):
         # bool is an int subclass: True would silently compare as version/token 1.
         if (number is not None or name == "expected_version") and (
             isinstance(number, bool) or not isinstance(number, int)
         ):
             raise InvalidInputError(f"{name} must be an int, got {number!r}")
-
-    tbl = _table(table, key_column, version_column, fence_column, *value_cols)
-    version_col, fence_col = tbl.c[version_column], tbl.c[fence_column]
-    new_values: dict[str, Any] = {**values, version_column: version_col + 1}
-    stmt = update(tbl).where(
-        tbl.c[key_column] == bindparam("k", key),
-        version_col == bindparam("expected", expected_version),
+    shape = _shape(
+        table,
+        key_column,
+        version_column,
+        fence_column,
+        tuple(values),
+        fence is not None,
+        bind_type(key),
     )
+    params = {"k": key, "expected": expected_version}
     if fence is not None:
-        new_values[fence_column] = fence
-        # NULL = never fenced; an equal token is the same lock holder writing again.
-        stmt = stmt.where(or_(fence_col.is_(None), fence_col <= fence))
+        params["fence"] = fence
+    for bind, value in zip(shape.value_binds, values.values(), strict=True):
+        params[bind] = value
 
-    matched = (yield stmt.values(new_values)).rowcount
+    matched = (yield shape.update, params).rowcount
     if matched > 1:
         raise ConfigurationError(
             f"{table}.{key_column} is not unique: {matched} rows matched {key!r}; "
             "roll back the transaction"
         )
     return matched == 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    update: Prepared
+    value_binds: tuple[str, ...]  # the bind of each value column, in order
+
+
+@lru_cache(maxsize=256)
+def _shape(  # noqa: PLR0917 -- the cache key: every part of the statement's shape
+    table: str,
+    key_column: str,
+    version_column: str,
+    fence_column: str,
+    value_cols: tuple[str, ...],
+    fenced: bool,
+    key_type: TypeEngine[Any],
+) -> _Shape:
+    """The UPDATE of one kind of call, built once (see :class:`idemq._sqlident.Prepared`)."""
+    managed = {key_column, version_column, fence_column}
+    if len(managed) != 3:
+        raise ConfigurationError(
+            "key_column, version_column and fence_column must differ, got "
+            f"{[key_column, version_column, fence_column]}"
+        )
+    check_columns(dict.fromkeys(value_cols), "values", managed)
+    value_binds = tuple(f"v{i}" for i in range(len(value_cols)))
+
+    tbl = _table(table, key_column, version_column, fence_column, *value_cols)
+    version_col, fence_col = tbl.c[version_column], tbl.c[fence_column]
+    new_values: dict[str, Any] = {
+        **{col: bindparam(b) for col, b in zip(value_cols, value_binds, strict=True)},
+        version_column: version_col + literal_column("1"),
+    }
+    stmt = update(tbl).where(
+        tbl.c[key_column] == bindparam("k", type_=key_type),
+        version_col == bindparam("expected", type_=Integer()),
+    )
+    if fenced:
+        new_values[fence_column] = bindparam("fence")
+        # NULL = never fenced; an equal token is the same lock holder writing again.
+        stmt = stmt.where(or_(fence_col.is_(None), fence_col <= bindparam("fence")))
+    return _Shape(Prepared(stmt.values(new_values)), value_binds)

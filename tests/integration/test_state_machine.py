@@ -10,6 +10,7 @@ import asyncio
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +24,13 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Uuid,
     create_engine,
     event,
     select,
     update,
 )
+from sqlalchemy.orm import Session
 
 from idemq.errors import ConfigurationError, StoreConflictError, StoreError
 from idemq.state_machine import StateMachine, TransitionResult
@@ -274,7 +277,7 @@ def require_greenlet() -> None:
 
 async def test_async_twin_gives_the_same_verdicts(db: Db) -> None:
     require_greenlet()
-    from sqlalchemy.ext.asyncio import create_async_engine  # noqa: PLC0415
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine  # noqa: PLC0415
 
     engine = create_async_engine(async_url(db.url), connect_args=_async_connect_args(db.url))
     if db.url.startswith("sqlite"):
@@ -302,6 +305,8 @@ async def test_async_twin_gives_the_same_verdicts(db: Db) -> None:
         verdicts = await asyncio.gather(*(racer(n) for n in range(4)))
         assert verdicts.count(R.APPLIED) == 1
         assert set(verdicts) <= {R.APPLIED, R.ALREADY_APPLIED}
+        async with AsyncSession(engine) as session, session.begin():
+            assert await sm.apply_async(session, "o1", "pay") is R.ALREADY_APPLIED
     finally:
         await engine.dispose()
     assert db.balance() == 900
@@ -394,3 +399,77 @@ def test_lock_wait_timeout_is_a_retryable_conflict(db: Db) -> None:
         if impatient is not db.engine:
             impatient.dispose()
     assert db.order()[0] == "PENDING_PAYMENT"
+
+
+def test_each_kind_of_call_keeps_its_own_statement(db: Db) -> None:
+    """Statements are built once per kind of call (extra columns, fence): interleaved kinds on
+    one machine must each write exactly their own columns."""
+    with db.engine.begin() as c:
+        for order_id in ("o2", "o3", "o4"):
+            c.execute(db.orders.insert().values(order_id=order_id, status="PENDING_PAYMENT"))
+    assert db.apply("pay", "o1", extra_values={"paid_by": "m1"}) is R.APPLIED
+    assert db.apply("pay", "o2", fence=5) is R.APPLIED
+    assert db.apply("pay", "o3", extra_values={"paid_by": "m3"}, fence=7) is R.APPLIED
+    assert db.apply("fail_payment", "o4") is R.APPLIED
+    assert db.apply("pay", "o4", fence=2) is R.APPLIED
+    assert db.apply("pay", "o1", fence=9) is R.ALREADY_APPLIED
+    assert db.apply("ship", "o3", fence=6) is R.FENCED
+    assert [db.order(o) for o in ("o1", "o2", "o3", "o4")] == [
+        ("PAID", None, "m1"),
+        ("PAID", 5, None),
+        ("PAID", 7, "m3"),
+        ("PAID", 2, None),
+    ]
+    with pytest.raises(ConfigurationError, match="managed by the guard"):
+        db.apply("pay", "o1", extra_values={"status": "SHIPPED"})
+
+
+def test_uuid_keys_are_converted_as_core_would(sql_url: str) -> None:
+    """A ``uuid.UUID`` key is bound with the type SQLAlchemy infers for it (CHAR(32) hex on
+    SQLite and MariaDB, native UUID on PostgreSQL), so it finds the row Core wrote."""
+    md = MetaData()
+    orders = Table(
+        unique("smuuid"),
+        md,
+        Column("order_id", Uuid, primary_key=True),
+        Column("status", String(32), nullable=False),
+        Column("fence_token", BigInteger),
+    )
+    engine = make_engine(sql_url)
+    md.create_all(engine)
+    key = uuid.uuid4()
+    machine = StateMachine(
+        orders.name,
+        "order_id",
+        "status",
+        states=STATES,
+        transitions={"pay": ("PENDING_PAYMENT", "PAID")},
+    )
+    try:
+        with engine.begin() as c:
+            c.execute(orders.insert().values(order_id=key, status="PENDING_PAYMENT"))
+        with engine.begin() as c:
+            assert machine.apply(c, key, "pay") is R.APPLIED
+            assert machine.apply(c, key, "pay") is R.ALREADY_APPLIED
+            assert machine.apply(c, uuid.uuid4(), "pay") is R.NOT_FOUND
+        with engine.connect() as c:
+            assert c.execute(select(orders.c.status)).scalars().all() == ["PAID"]
+    finally:
+        md.drop_all(engine)
+        engine.dispose()
+
+
+def test_orm_sessions_run_it_in_their_transaction(db: Db) -> None:
+    with Session(db.engine) as session:
+        with session.begin():
+            assert db.machine.apply(session, "o1", "pay", {"paid_by": "orm"}) is R.APPLIED
+        assert db.order() == ("PAID", None, "orm")
+
+        def ship_then_fail() -> None:
+            with session.begin():
+                assert db.machine.apply(session, "o1", "ship") is R.APPLIED
+                raise RuntimeError("roll back")
+
+        with pytest.raises(RuntimeError):
+            ship_then_fail()
+    assert db.order() == ("PAID", None, "orm")

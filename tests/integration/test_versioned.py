@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from examples.orders.schema import make_async_engine, make_engine
 from sqlalchemy import BigInteger, Column, Engine, Integer, MetaData, String, Table, select
+from sqlalchemy.orm import Session
 
 from idemq.errors import StoreError
 from idemq.versioned import versioned_update, versioned_update_async
@@ -182,3 +183,14 @@ async def test_async_twin(db: Db) -> None:
     finally:
         await engine.dispose()
     assert db.row()[1] == 3
+
+
+def test_orm_sessions_and_value_columns_per_call(db: Db) -> None:
+    """A Session runs the CAS in its transaction; each set of value columns writes only its own
+    (statements are built once per kind of call)."""
+    with Session(db.engine) as session, session.begin():
+        assert versioned_update(session, db.table.name, "account_id", "a1", 0, {"balance": 900})
+        assert versioned_update(session, db.table.name, "account_id", "a1", 1, {"note": "n"})
+        assert versioned_update(session, db.table.name, "account_id", "a1", 2, {}, fence=4)
+        assert not versioned_update(session, db.table.name, "account_id", "a1", 2, {"note": "x"})
+    assert db.row() == (900, 3, 4, "n")
