@@ -21,14 +21,13 @@ import weakref
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import column, exc, literal, table
+from sqlalchemy import Select, Update, column, exc, literal, table
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.expression import ClauseElement, ColumnClause, TableClause
+from sqlalchemy.sql.expression import ColumnClause, TableClause
 from sqlalchemy.types import TypeEngine
 
 from idemq.errors import (
@@ -157,17 +156,17 @@ class Prepared:
     """A statement shape built once, compiled once per dialect, run with plain parameters.
 
     ``conn.execute(core_statement)`` builds the statement, its cache key and a compiled lookup
-    on every call: for a one-row conditional UPDATE that is ~20 times the cost of running it (450 µs
-    vs 20 µs per :meth:`~idemq.StateMachine.apply` on SQLite). A ``Prepared`` renders its SQL
-    for a dialect on first use; each call then goes through ``Connection.exec_driver_sql``, so
-    SQLAlchemy's events and error handling still apply, and a bind whose type the dialect
-    converts (a ``uuid.UUID`` key on SQLite, say) is still converted. Bind names must be plain
-    identifiers (they are: the guards name their own binds).
+    on every call: for a one-row conditional UPDATE that is about 20 times the cost of running
+    it (450 µs vs 20 µs per :meth:`~idemq.StateMachine.apply` on SQLite). A ``Prepared``
+    renders its SQL for a dialect on first use; each call then goes through
+    ``Connection.exec_driver_sql``, so SQLAlchemy's events and error handling still apply, and a
+    bind whose type the dialect converts (a ``uuid.UUID`` key on SQLite, say) is still converted.
+    Bind names must be plain identifiers (they are: the guards name their own binds).
     """
 
     __slots__ = ("_by_dialect", "statement")
 
-    def __init__(self, statement: ClauseElement) -> None:
+    def __init__(self, statement: Update | Select[Any]) -> None:
         self.statement = statement
         # Keyed by the dialect object: an engine's compiled SQL can depend on its server version.
         self._by_dialect: weakref.WeakKeyDictionary[Dialect, _Rendered] = (
@@ -182,7 +181,7 @@ class Prepared:
         return rendered.sql, rendered.args(params)
 
     def _compile(self, dialect: Dialect) -> _Rendered:
-        compiled = cast(SQLCompiler, self.statement.compile(dialect=dialect))
+        compiled = self.statement.compile(dialect=dialect)
         processors = []
         for name, bind in compiled.binds.items():
             process = bind.type.dialect_impl(dialect).bind_processor(dialect)
@@ -228,9 +227,8 @@ def run_plan(conn: Connection | Session, plan: Plan[T], doing: str) -> T:
     try:
         prepared, params = next(plan)
         while True:
-            sql, args = prepared.render(dialect, params)
             try:
-                result = conn.exec_driver_sql(sql, args)
+                result = conn.exec_driver_sql(*prepared.render(dialect, params))
             except exc.DBAPIError as error:
                 raise translate_db_error(error, doing) from error
             prepared, params = plan.send(result)
@@ -251,9 +249,8 @@ async def run_plan_async(conn: AsyncConnection | AsyncSession, plan: Plan[T], do
     try:
         prepared, params = next(plan)
         while True:
-            sql, args = prepared.render(dialect, params)
             try:
-                result = await conn.exec_driver_sql(sql, args)
+                result = await conn.exec_driver_sql(*prepared.render(dialect, params))
             except exc.DBAPIError as error:
                 raise translate_db_error(error, doing) from error
             prepared, params = plan.send(result)
