@@ -62,7 +62,6 @@ __all__ = ["StateMachine", "Transition", "TransitionResult"]
 # like a legal source state that the UPDATE nevertheless did not match; the UPDATE is then simply
 # tried again. Bounded, because it can only happen while another writer keeps flipping the row.
 _MAX_ATTEMPTS = 3
-_SHAPES = 64  # statement shapes kept per machine
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +160,8 @@ class StateMachine:
         }
         if not self.transitions:
             raise ConfigurationError("a StateMachine needs at least one transition")
-        # One entry per kind of call (event, extra columns, fenced, key type): a handful.
-        self._shape = lru_cache(maxsize=_SHAPES)(self._build_shape)
+        # What a statement of this machine is built from, besides the call's own kind.
+        self._names = (table, self.key_column, self.state_column, self.fence_column)
 
     def __repr__(self) -> str:
         return (
@@ -229,7 +228,7 @@ class StateMachine:
         extra = dict(extra_values or {})
         fence = _check_fence(fence)
         fenced = fence is not None
-        shape = self._shape(event, tuple(extra), fenced, bind_type(key))
+        shape = _shape(self._names, edge, tuple(extra), fenced, bind_type(key))
         params = {**shape.fixed, "k": key}
         for bind, value in zip(shape.extra_binds, extra.values(), strict=True):
             params[bind] = value
@@ -253,45 +252,6 @@ class StateMachine:
             if verdict is not None:
                 return verdict
         return TransitionResult.REJECTED
-
-    def _build_shape(
-        self, event: str, extra_cols: tuple[str, ...], fenced: bool, key_type: TypeEngine[Any]
-    ) -> _Shape:
-        """The statements of one kind of call, built once (see :class:`_sqlident.Prepared`).
-
-        ``key_type`` is part of the shape: the key's bind has the SQL type of the key's Python
-        type (a ``uuid.UUID`` key is converted on SQLite, a str is not), as a Core statement
-        built per call would give it.
-        """
-        edge = self.transition(event)
-        reserved = {self.key_column, self.state_column, self.fence_column}
-        check_columns(dict.fromkeys(extra_cols), "extra_values", reserved)
-        tbl = _table(self.table, self.key_column, self.state_column, self.fence_column, *extra_cols)
-        key_col, state_col, fence_col = (
-            tbl.c[self.key_column],
-            tbl.c[self.state_column],
-            tbl.c[self.fence_column],
-        )
-        key_bind = bindparam("k", type_=key_type)
-        sources = [f"s{i}" for i in range(len(edge.sources))]
-        extra_binds = tuple(f"x{i}" for i in range(len(extra_cols)))
-
-        values: dict[str, Any] = {self.state_column: bindparam("target")}
-        values.update({col: bindparam(b) for col, b in zip(extra_cols, extra_binds, strict=True)})
-        stmt = update(tbl).where(
-            key_col == key_bind, state_col.in_([bindparam(b) for b in sources])
-        )
-        if fenced:
-            values[self.fence_column] = bindparam("fence")
-            # NULL = never fenced; equal tokens are the same lock holder writing again.
-            stmt = stmt.where(or_(fence_col.is_(None), fence_col <= bindparam("fence")))
-        probe_cols = [state_col, fence_col] if fenced else [state_col]
-        return _Shape(
-            update=Prepared(stmt.values(values)),
-            probe=Prepared(select(*probe_cols).where(key_col == key_bind).with_for_update()),
-            fixed={"target": edge.target, **dict(zip(sources, edge.sources, strict=True))},
-            extra_binds=extra_binds,
-        )
 
     def _classify(
         self, edge: Transition, state: Any, row_fence: Any, fence: int | None
@@ -333,6 +293,45 @@ class StateMachine:
                 f"transition {event!r} lists its target {target!r} as a source"
             )
         return Transition(event=event, sources=tuple(dict.fromkeys(sources)), target=target)
+
+
+@lru_cache(maxsize=256)
+def _shape(
+    names: tuple[str, str, str, str],
+    edge: Transition,
+    extra_cols: tuple[str, ...],
+    fenced: bool,
+    key_type: TypeEngine[Any],
+) -> _Shape:
+    """The statements of one kind of :meth:`StateMachine.apply` call, built once (see
+    :class:`idemq._sqlident.Prepared`); shared by machines of the same table and columns.
+
+    ``key_type`` is part of the shape: the key's bind has the SQL type of the key's Python type
+    (a ``uuid.UUID`` key is converted on SQLite, a str is not), as a Core statement built per
+    call would give it.
+    """
+    table, key_name, state_name, fence_name = names
+    check_columns(dict.fromkeys(extra_cols), "extra_values", {key_name, state_name, fence_name})
+    tbl = _table(table, key_name, state_name, fence_name, *extra_cols)
+    key_col, state_col, fence_col = tbl.c[key_name], tbl.c[state_name], tbl.c[fence_name]
+    key_bind = bindparam("k", type_=key_type)
+    sources = [f"s{i}" for i in range(len(edge.sources))]
+    extra_binds = tuple(f"x{i}" for i in range(len(extra_cols)))
+
+    values: dict[str, Any] = {state_name: bindparam("target")}
+    values.update({col: bindparam(b) for col, b in zip(extra_cols, extra_binds, strict=True)})
+    stmt = update(tbl).where(key_col == key_bind, state_col.in_([bindparam(b) for b in sources]))
+    if fenced:
+        values[fence_name] = bindparam("fence")
+        # NULL = never fenced; equal tokens are the same lock holder writing again.
+        stmt = stmt.where(or_(fence_col.is_(None), fence_col <= bindparam("fence")))
+    probe_cols = [state_col, fence_col] if fenced else [state_col]
+    return _Shape(
+        update=Prepared(stmt.values(values)),
+        probe=Prepared(select(*probe_cols).where(key_col == key_bind).with_for_update()),
+        fixed={"target": edge.target, **dict(zip(sources, edge.sources, strict=True))},
+        extra_binds=extra_binds,
+    )
 
 
 def _check_states(states: Sequence[str]) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -473,3 +474,13 @@ def test_orm_sessions_run_it_in_their_transaction(db: Db) -> None:
         with pytest.raises(RuntimeError):
             ship_then_fail()
     assert db.order() == ("PAID", None, "orm")
+
+
+def test_a_used_machine_pickles_for_process_pools(db: Db) -> None:
+    """A machine holds no statements or connections (they are cached beside it), so one that
+    has run can still be sent to a process pool's workers."""
+    assert db.apply("pay") is R.APPLIED
+    clone = pickle.loads(pickle.dumps(db.machine))
+    with db.engine.begin() as c:
+        assert clone.apply(c, "o1", "ship") is R.APPLIED
+    assert db.order()[0] == "SHIPPED"
