@@ -43,6 +43,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -133,7 +134,7 @@ def reset(n: int) -> None:
         )
 
 
-def ledger_rate(n: int, timeout_s: float) -> float:
+def ledger_rate(n: int, timeout_s: float, worker: Worker) -> float:
     """Wait for ``n`` ledger rows; msg/s between the first and the last commit."""
     deadline = time.monotonic() + timeout_s
     with psycopg.connect(PG_DSN, autocommit=True) as conn:
@@ -143,6 +144,7 @@ def ledger_rate(n: int, timeout_s: float) -> float:
             ).fetchone()  # type: ignore[misc]
             if count >= n:
                 return (n - 1) / max((last - first).total_seconds(), 1e-9)
+            worker.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {count}/{n} effects after {timeout_s}s")
             time.sleep(0.25)
@@ -244,20 +246,39 @@ def command(kind: str, broker: str, queue: str) -> list[str]:
     return cmd + (["--batch-size", str(BATCH), "--batch-wait-ms", "50"] if kind == "batch" else [])
 
 
+class Worker:
+    """One contender's consumer process; its stderr is kept to say why, should it die early."""
+
+    def __init__(self, kind: str, broker: str, queue: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "IDEMQ_E2E_PREFIX": P}
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(command(kind, broker, queue), env=env, stderr=self._stderr)
+
+    def check(self) -> None:
+        """Raise (with the end of its stderr) if the process exited: no point waiting on it."""
+        if self.proc.poll() is not None:
+            self._stderr.seek(0)
+            tail = self._stderr.read()[-3000:].decode(errors="replace")
+            raise RuntimeError(f"the consumer exited with {self.proc.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._stderr.close()
+
+
 def run_one(kind: str, broker: str, n: int) -> float:
     reset(n)
     queue = f"{P}{broker}_{kind}_{os.getpid()}_{time.monotonic_ns() % 10**9}"
     publish(BROKERS[broker], queue, n)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "IDEMQ_E2E_PREFIX": P}
-    proc = subprocess.Popen(command(kind, broker, queue), env=env, stderr=subprocess.DEVNULL)
+    worker = Worker(kind, broker, queue)
     try:
-        return ledger_rate(n, timeout_s=max(60.0, n / 200))
+        return ledger_rate(n, timeout_s=max(60.0, n / 200), worker=worker)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        worker.stop()
         cleanup(broker, queue)
 
 
@@ -287,8 +308,7 @@ def memory(n: int, kind: str, broker: str, every: int = 10_000) -> None:
     reset(n)
     queue = f"{P}mem_{os.getpid()}"
     publish(BROKERS[broker], queue, n)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "IDEMQ_E2E_PREFIX": P}
-    proc = subprocess.Popen(command(kind, broker, queue), env=env, stderr=subprocess.DEVNULL)
+    worker = Worker(kind, broker, queue)
     samples: list[tuple[int, int]] = []
     try:
         with psycopg.connect(PG_DSN, autocommit=True) as conn:
@@ -296,12 +316,12 @@ def memory(n: int, kind: str, broker: str, every: int = 10_000) -> None:
             while mark <= n:
                 done = conn.execute(f"SELECT count(*) FROM {P}ledger").fetchone()[0]  # type: ignore[index]
                 if done >= mark:
-                    samples.append((done, rss_kib(proc.pid)))
+                    samples.append((done, rss_kib(worker.proc.pid)))
                     mark += every
+                worker.check()
                 time.sleep(0.05)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        worker.stop()
         cleanup(broker, queue)
     for done, kib in samples:
         print(f"memory[{broker} {kind}] after {done:>7} msgs: VmRSS {kib / 1024:7.1f} MiB")
