@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -86,21 +86,18 @@ def check_identifier(name: object, what: str) -> str:
     return name
 
 
-def check_columns(names: Mapping[str, object], what: str, reserved: set[str]) -> list[str]:
+def check_columns(names: Iterable[object], what: str, reserved: set[str]) -> None:
     """Validate the column names of a ``values`` mapping; none may be one of ``reserved``.
 
     ``reserved`` holds the columns the guard itself writes or filters on (key, state, version,
     fence): letting a caller set them would bypass the very check the guard exists for.
     """
-    out: list[str] = []
     for name in names:
         check_identifier(name, f"{what} column")
         if name in reserved:
             raise ConfigurationError(
                 f"{what} may not set {name!r}: that column is managed by the guard"
             )
-        out.append(name)
-    return out
 
 
 @lru_cache(maxsize=256)

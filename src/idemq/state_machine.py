@@ -311,7 +311,7 @@ def _shape(
     call would give it.
     """
     table, key_name, state_name, fence_name = names
-    check_columns(dict.fromkeys(extra_cols), "extra_values", {key_name, state_name, fence_name})
+    check_columns(extra_cols, "extra_values", {key_name, state_name, fence_name})
     tbl = _table(table, key_name, state_name, fence_name, *extra_cols)
     key_col, state_col, fence_col = tbl.c[key_name], tbl.c[state_name], tbl.c[fence_name]
     key_bind = bindparam("k", type_=key_type)

@@ -176,7 +176,7 @@ def _shape(  # noqa: PLR0917 -- the cache key: every part of the statement's sha
             "key_column, version_column and fence_column must differ, got "
             f"{[key_column, version_column, fence_column]}"
         )
-    check_columns(dict.fromkeys(value_cols), "values", managed)
+    check_columns(value_cols, "values", managed)
     value_binds = tuple(f"v{i}" for i in range(len(value_cols)))
 
     tbl = _table(table, key_column, version_column, fence_column, *value_cols)
