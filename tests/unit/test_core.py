@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import idemq
@@ -28,6 +30,18 @@ def policy(**kw: object) -> Policy:
 @pytest.mark.parametrize("value", [None, 0, False, "", [], {}, -1.5, "ü", [None, {"a": [1]}]])
 def test_results_round_trip(value: object):
     assert decode_result(encode_result(value)) == value
+
+
+@pytest.mark.parametrize("text", [" 1", "1 ", '{"a": [1, 2]}\n', "\t[]", '"ü"', "-0.5"])
+def test_decoding_reads_stored_json_as_json_loads_does(text: str):
+    # Not what encode_result writes (compact), but text a record may hold: same value as before.
+    assert decode_result(text) == json.loads(text)
+
+
+@pytest.mark.parametrize("text", ["", "1 2", "{", "[1]]", "nul", "'a'"])
+def test_decoding_refuses_what_json_loads_refuses(text: str):
+    with pytest.raises(json.JSONDecodeError):
+        decode_result(text)
 
 
 @pytest.mark.parametrize("value", [object(), {1, 2}, float("nan"), b"bytes"])
