@@ -119,7 +119,7 @@ class Claim:
 
     @classmethod
     def lost_to(cls, record: Record) -> Claim:
-        return cls(acquired=False, record=record)
+        return cls(False, record)  # positional: one per duplicate, keywords cost half again
 
 
 _WON = Claim(acquired=True)

@@ -74,8 +74,12 @@ _RESERVED_ASCII = re.compile(r"[^A-Za-z0-9_.~-]")
 """What ``quote(safe="")`` escapes in an ASCII string (its safe set is exactly the complement)."""
 
 
+_PERCENT = {chr(c): f"%{c:02X}" for c in range(128)}
+"""An ASCII character's escape as ``quote()`` writes it (looked up: half the cost of formatting)."""
+
+
 def _percent(match: re.Match[str]) -> str:
-    return f"%{ord(match[0]):02X}"
+    return _PERCENT[match[0]]
 
 
 def _encode_part(value: str) -> str:
@@ -138,10 +142,13 @@ class Layout:
 _STATUSES = {str(int(status)): status for status in RecordStatus}
 
 
+_MILLISECOND = timedelta(milliseconds=1)
+
+
 def _datetime(ms: str | None) -> datetime | None:
-    # timedelta's positional form (days, seconds, microseconds, milliseconds) is three times
-    # faster than milliseconds=…, and a duplicate's record carries two of these.
-    return _EPOCH + timedelta(0, 0, 0, int(ms)) if ms else None
+    # Multiplying a timedelta is exact and costs a third less than building one from the count
+    # (half as much as milliseconds=…); a duplicate's record carries two of these.
+    return _EPOCH + _MILLISECOND * int(ms) if ms else None
 
 
 def parse_record(key: Key, stored: bytes | str | None) -> Record | None:
