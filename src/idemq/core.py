@@ -178,13 +178,13 @@ def decode_result(text: str | None) -> Any:
         return None
     # A duplicate replays one per message. What encode_result stored is one compact JSON value,
     # which raw_decode reads at a third of json.loads' cost (that also matches a whitespace
-    # pattern past the end); anything else — whitespace around it, text after it, not JSON —
-    # goes to json.loads, which accepts or rejects it exactly as before.
+    # pattern past the end); anything else — whitespace around it, text after it, not JSON,
+    # bytes from a binary column — goes to json.loads, which takes or refuses it as before.
     try:
         value, end = _RESULT_DECODER.raw_decode(text)
         if end == len(text):
             return value
-    except ValueError:
+    except (ValueError, TypeError):
         pass
     return json.loads(text)
 

@@ -38,6 +38,10 @@ def test_decoding_reads_stored_json_as_json_loads_does(text: str):
     assert decode_result(text) == json.loads(text)
 
 
+def test_decoding_takes_bytes_from_a_binary_column():
+    assert decode_result(b'{"ok":true}') == {"ok": True}  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("text", ["", "1 2", "{", "[1]]", "nul", "'a'"])
 def test_decoding_refuses_what_json_loads_refuses(text: str):
     with pytest.raises(json.JSONDecodeError):
