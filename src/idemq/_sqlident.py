@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Select, Update, column, exc, literal, table
+from sqlalchemy import ColumnElement, Select, Update, bindparam, column, exc, literal, or_, table
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -48,6 +48,7 @@ __all__ = [
     "bind_type",
     "check_columns",
     "check_identifier",
+    "fence_accepts",
     "run_plan",
     "run_plan_async",
     "table_clause",
@@ -114,6 +115,15 @@ def table_clause(name: str, *columns: str) -> TableClause:
     check_identifier(name, "table name")
     cols: list[ColumnClause[Any]] = [column(check_identifier(c, "column name")) for c in columns]
     return table(name, *cols, schema=schema)
+
+
+def fence_accepts(fence_col: ColumnClause[Any]) -> ColumnElement[bool]:
+    """The WHERE clause of a fenced write: the row's token, if any, is at most ``:fence``.
+
+    One rule for both guards: NULL means never fenced, and an equal token is the same lock
+    holder writing again; only an older token than one the row has seen is refused.
+    """
+    return or_(fence_col.is_(None), fence_col <= bindparam("fence"))
 
 
 _INFERRED: dict[type, TypeEngine[Any]] = {}

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import bindparam, or_, select, update
+from sqlalchemy import bindparam, select, update
 
 from idemq._sqlident import (
     Plan,
@@ -44,6 +44,7 @@ from idemq._sqlident import (
     bind_type,
     check_columns,
     check_identifier,
+    fence_accepts,
     run_plan,
     run_plan_async,
 )
@@ -323,8 +324,7 @@ def _shape(
     stmt = update(tbl).where(key_col == key_bind, state_col.in_([bindparam(b) for b in sources]))
     if fenced:
         values[fence_name] = bindparam("fence")
-        # NULL = never fenced; equal tokens are the same lock holder writing again.
-        stmt = stmt.where(or_(fence_col.is_(None), fence_col <= bindparam("fence")))
+        stmt = stmt.where(fence_accepts(fence_col))
     probe_cols = [state_col, fence_col] if fenced else [state_col]
     return _Shape(
         update=Prepared(stmt.values(values)),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Integer, bindparam, literal_column, or_, update
+from sqlalchemy import Integer, bindparam, literal_column, update
 
 from idemq._sqlident import (
     Plan,
@@ -32,6 +32,7 @@ from idemq._sqlident import (
     bind_type,
     check_columns,
     check_identifier,
+    fence_accepts,
     run_plan,
     run_plan_async,
 )
@@ -191,6 +192,5 @@ def _shape(  # noqa: PLR0917 -- the cache key: every part of the statement's sha
     )
     if fenced:
         new_values[fence_column] = bindparam("fence")
-        # NULL = never fenced; an equal token is the same lock holder writing again.
-        stmt = stmt.where(or_(fence_col.is_(None), fence_col <= bindparam("fence")))
+        stmt = stmt.where(fence_accepts(fence_col))
     return _Shape(Prepared(stmt.values(new_values)), value_binds)
