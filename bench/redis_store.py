@@ -146,15 +146,15 @@ def interleaved(
     """
     spent = dict.fromkeys((name for name, _, _ in contenders), 0.0)
     done = dict.fromkeys(spent, 0)
-    order = list(contenders)
+    # Each contender its own ids: a first-pass and a duplicate contender share a store and a
+    # consumer, and ids shared between them turned some first-pass turns into duplicates.
+    order = list(enumerate(contenders))
     for _ in range(rounds):
         tag = uuid.uuid4().hex[:8]
         for start in range(0, n, CHUNK):
             order = order[1:] + order[:1]
-            for name, loop, prefill in order:
-                ids = [
-                    f"bench:{tag}:{name[:12]}:{i:06d}" for i in range(start, min(n, start + CHUNK))
-                ]
+            for index, (name, loop, prefill) in order:
+                ids = [f"bench:{tag}:c{index}:{i:06d}" for i in range(start, min(n, start + CHUNK))]
                 if prefill is not None:
                     prefill(ids)
                 started = time.perf_counter()
