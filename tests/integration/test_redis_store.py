@@ -369,11 +369,19 @@ def test_malformed_record_is_a_store_error(
 
 
 @pytest.mark.parametrize(
-    "message_id", ["".join(map(chr, range(1, 128))), "ORDER_1", "a:b/c d", "é€\U0001f680:}"]
+    "message_id",
+    [
+        "".join(map(chr, range(1, 128))),
+        "ORDER_1",
+        "orders:3:1337",
+        ":%3A:",
+        "a:b/c d",
+        "é€\U0001f680:}",
+    ],
 )
 def test_keys_are_the_percent_encoding_of_consumer_and_id(message_id: str) -> None:
-    # Records written before the regex fast path must stay reachable: same key, byte
-    # for byte, as quote(safe="") of both parts.
+    # Records written before the regex fast paths (none, colons only, other) must stay
+    # reachable: same key, byte for byte, as quote(safe="") of both parts.
     layout = Layout.build("p", 60)
     expected = f"p:{{{quote('c:1', safe='')}:{quote(message_id, safe='')}}}"
     assert layout.key(Key("c:1", message_id)) == expected

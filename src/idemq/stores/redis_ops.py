@@ -90,11 +90,18 @@ def _percent(match: re.Match[str]) -> str:
     return _PERCENT[match[0]]
 
 
+_RESERVED_BUT_COLON = re.compile(r"[^A-Za-z0-9_.~:-]")
+
+
 def _encode_part(value: str) -> str:
-    # The common case, an ASCII id, is one regex pass: typical ids (ORDER_…_NODE01_0001) have
-    # nothing to escape, and a few ":" or spaces cost a callback each rather than quote()'s
-    # byte-by-byte loop. Both give exactly what quote() gives, so every record keeps its key.
+    # The common cases, ASCII ids, take one regex pass: typical ids (ORDER_…_NODE01_0001) have
+    # nothing to escape, and ids joined by ":" (topic:partition:offset) only that, which one
+    # replace does at a quarter of the cost of a callback per colon. Any other character to
+    # escape costs a callback, still far less than quote()'s byte-by-byte loop. All three give
+    # exactly what quote() gives, so every record keeps its key.
     if value.isascii():
+        if _RESERVED_BUT_COLON.search(value) is None:
+            return value.replace(":", "%3A")
         return _RESERVED_ASCII.sub(_percent, value)
     # safe="" also escapes "/", leaving only unreserved characters: no glob, brace or colon.
     return quote(value, safe="", encoding="utf-8", errors="surrogatepass")
