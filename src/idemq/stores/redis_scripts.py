@@ -123,8 +123,7 @@ return out
 
 COMPLETE = LuaScript(
     "complete",
-    _SPLIT_FUNCTION
-    + """
+    """
 -- KEYS[1] record
 -- ARGV[1] owner  ARGV[2] result JSON text  ARGV[3] now_ms  ARGV[4] ttl_ms (retention)
 -- Returns 1 when the record is PROCESSED by ARGV[1] (now, or already by a replayed call);
@@ -132,12 +131,23 @@ COMPLETE = LuaScript(
 -- a paused worker's late result must never overwrite the new owner's record.
 local cur = redis.call('GET', KEYS[1])
 if not cur then return 0 end
-local v = split(cur)  -- the owner comes before the result, so a NUL in a result is harmless
-if v[2] ~= ARGV[1] then return 0 end
-if v[1] == '0' then
-  v[1], v[3], v[6], v[9] = '1', '', ARGV[3], ARGV[2]
-  redis.call('SET', KEYS[1], table.concat(v, '\\0', 1, 9), 'PX', ARGV[4])
+local head = '0\\0' .. ARGV[1] .. '\\0'
+if string.sub(cur, 1, #head) ~= head then
+  return string.sub(cur, 1, #head) == '1\\0' .. ARGV[1] .. '\\0' and 1 or 0
 end
+-- ARGV[1]'s PROCESSING record, s o l a c p b h r with p and r empty, becomes
+-- 1 o '' a c now b h result: spliced at the NULs that end l, a and c rather than split into
+-- nine strings and joined again (once per message: the split and join were a quarter of it).
+local l_end = string.find(cur, '\\0', #head + 1, true)
+local a_end = l_end and string.find(cur, '\\0', l_end + 1, true)
+local c_end = a_end and string.find(cur, '\\0', a_end + 1, true)
+if not c_end or string.byte(cur, c_end + 1) ~= 0 or string.byte(cur, -1) ~= 0 then
+  return redis.error_reply('malformed idemq record')
+end
+redis.call('SET', KEYS[1],
+  '1\\0' .. ARGV[1] .. '\\0' .. string.sub(cur, l_end, c_end) .. ARGV[3]
+    .. string.sub(cur, c_end + 1) .. ARGV[2],
+  'PX', ARGV[4])
 return 1
 """,
 )
