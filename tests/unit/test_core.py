@@ -7,6 +7,7 @@ import json
 import pytest
 
 import idemq
+from idemq import core
 from idemq.batch_flow import plan_batch
 from idemq.core import (
     Mode,
@@ -48,10 +49,42 @@ def test_decoding_refuses_what_json_loads_refuses(text: str):
         decode_result(text)
 
 
-@pytest.mark.parametrize("value", [object(), {1, 2}, float("nan"), b"bytes"])
-def test_unstorable_results_are_refused(value: object):
+STORABLE = [0, True, "", 'é\u2028"\\', -0.5, 1e300, 2**70, Status.PROCESSED, Mode.LEASE]
+STORABLE += [[1, "a", None], {"ü": {"n": [1.25, False]}, "": []}, (1, 2), {"k": (3,)}]
+
+
+@pytest.mark.parametrize("value", STORABLE)
+@pytest.mark.parametrize("fast", [True, False], ids=["c-encoder", "public-encoder"])
+def test_results_are_stored_as_compact_json_whichever_encoder_runs(
+    value: object, fast: bool, monkeypatch: pytest.MonkeyPatch
+):
+    # The prebuilt C encoder must write exactly what the public JSONEncoder writes.
+    if not fast:
+        monkeypatch.setattr(core, "_encode_result_fast", None)
+    else:
+        assert core._encode_result_fast is not None  # CPython: the fast path is in use
+    expected = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    assert encode_result(value) == expected
+
+
+@pytest.mark.parametrize("value", [object(), {1, 2}, float("nan"), b"bytes", {"a": [object()]}])
+@pytest.mark.parametrize("fast", [True, False], ids=["c-encoder", "public-encoder"])
+def test_unstorable_results_are_refused(value: object, fast: bool, monkeypatch: pytest.MonkeyPatch):
+    if not fast:
+        monkeypatch.setattr(core, "_encode_result_fast", None)
     with pytest.raises(idemq.ResultNotSerializableError):
         encode_result(value)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["c-encoder", "public-encoder"])
+def test_a_result_that_contains_itself_is_refused(fast: bool, monkeypatch: pytest.MonkeyPatch):
+    if not fast:
+        monkeypatch.setattr(core, "_encode_result_fast", None)
+    cycle: list[object] = [1]
+    cycle.append({"again": cycle})
+    with pytest.raises(idemq.ResultNotSerializableError):
+        encode_result(cycle)
+    assert encode_result({"after": [1]}) == '{"after":[1]}'  # the encoder is still sound
 
 
 def test_payload_hash_is_canonical_for_json_and_exact_for_bytes():
