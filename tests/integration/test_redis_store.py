@@ -368,6 +368,34 @@ def test_malformed_record_is_a_store_error(
     assert store.stats().processing == 0  # counting skips it
 
 
+def test_complete_never_rewrites_what_is_not_its_processing_record(
+    store: RedisStore, client: redis.Redis
+) -> None:
+    # The complete script splices the stored record instead of parsing it: anything that is
+    # not a PROCESSING record of this owner must stay as it is.
+    key = store._layout.key(Key(C, "m1"))
+    others = [
+        b"not a record",
+        b"0\x00AB\x0099\x001\x005\x00\x00\x00\x00",  # owner "AB"'s PROCESSING record
+        b"1\x00AB\x00\x001\x005\x006\x00\x00\x00r",  # PROCESSED by "AB"
+    ]
+    for other in others:
+        client.set(key, other)
+        with pytest.raises(LeaseLostError):
+            store.complete(Key(C, "m1"), "A", "1", NOW_MS)
+        assert client.get(key) == other
+    mine_done = b"1\x00A\x00\x001\x005\x006\x00\x00\x00r"
+    client.set(key, mine_done)
+    store.complete(Key(C, "m1"), "A", "2", NOW_MS)  # a replayed complete: done, not rewritten
+    assert client.get(key) == mine_done
+    truncated = [b"0\x00A\x00", b"0\x00A\x0099\x001\x00", b"0\x00A\x0099\x001\x005\x007"]
+    for shape in truncated:  # owner A's head, but not the nine values of a claim
+        client.set(key, shape)
+        with pytest.raises(StoreError, match="malformed idemq record"):
+            store.complete(Key(C, "m1"), "A", "1", NOW_MS)
+        assert client.get(key) == shape
+
+
 @pytest.mark.parametrize(
     "message_id",
     [
