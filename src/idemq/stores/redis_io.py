@@ -100,7 +100,7 @@ def evalsha_argv(call: RunScript) -> tuple[str | bytes | int, ...]:
     ``NoScriptError`` and repeats the call. The constant words are bytes because redis-py's
     encoder passes bytes through at its first type test (a ``str`` or ``int`` takes five).
     """
-    return (_EVALSHA, call.script.sha, len(call.keys), *call.keys, *call.args)
+    return (_EVALSHA, call.script.sha, b"%d" % len(call.keys), *call.keys, *call.args)
 
 
 _EVALSHA = b"EVALSHA"
