@@ -120,11 +120,6 @@ class Layout:
     # consumer → "<prefix>:{<encoded consumer>:": a guard has one consumer, so a claim's key is
     # this head, the encoded id and "}" (consumers are configuration: the dict stays small).
     _heads: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
-    ttl_arg: bytes = field(init=False, compare=False, repr=False)
-    """``ttl_ms`` as the complete script's argument (see :func:`_arg`)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ttl_arg", _arg(self.ttl_ms))
 
     @classmethod
     def build(cls, prefix: str, ttl_s: float) -> Layout:
@@ -216,7 +211,9 @@ def _arg(value: int) -> bytes:
     return b"%d" % value
 
 
-def _claim_argv(layout: Layout, request: ClaimRequest) -> tuple[bytes, ...]:
+def _claim_argv(
+    layout: Layout, request: ClaimRequest
+) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
     """The claim script's six values of ``request`` (its ARGV), as command arguments."""
     owner = request.owner
     business_id = request.business_id or ""
@@ -307,7 +304,7 @@ def complete_call(layout: Layout, key: Key, owner: str, result: str, now_ms: int
     return RunScript(
         COMPLETE,
         (layout.key_arg(key),),
-        (owner.encode(), _encode_value(result), _arg(now_ms), layout.ttl_arg),
+        (owner.encode(), _encode_value(result), _arg(now_ms), _arg(layout.ttl_ms)),
     )
 
 
