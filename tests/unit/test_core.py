@@ -53,33 +53,32 @@ STORABLE = [0, True, "", 'é\u2028"\\', -0.5, 1e300, 2**70, Status.PROCESSED, Mo
 STORABLE += [[1, "a", None], {"ü": {"n": [1.25, False]}, "": []}, (1, 2), {"k": (3,)}]
 
 
+@pytest.fixture(params=["c-encoder", "public-encoder"])
+def result_encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with encode_result's prebuilt C encoder, then with the public JSONEncoder."""
+    if request.param == "c-encoder":
+        assert core._encode_result_fast is not None  # CPython: the fast path is in use
+    else:
+        monkeypatch.setattr(core, "_encode_result_fast", None)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("value", STORABLE)
-@pytest.mark.parametrize("fast", [True, False], ids=["c-encoder", "public-encoder"])
 def test_results_are_stored_as_compact_json_whichever_encoder_runs(
-    value: object, fast: bool, monkeypatch: pytest.MonkeyPatch
+    value: object, result_encoder: str
 ):
     # The prebuilt C encoder must write exactly what the public JSONEncoder writes.
-    if not fast:
-        monkeypatch.setattr(core, "_encode_result_fast", None)
-    else:
-        assert core._encode_result_fast is not None  # CPython: the fast path is in use
     expected = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     assert encode_result(value) == expected
 
 
 @pytest.mark.parametrize("value", [object(), {1, 2}, float("nan"), b"bytes", {"a": [object()]}])
-@pytest.mark.parametrize("fast", [True, False], ids=["c-encoder", "public-encoder"])
-def test_unstorable_results_are_refused(value: object, fast: bool, monkeypatch: pytest.MonkeyPatch):
-    if not fast:
-        monkeypatch.setattr(core, "_encode_result_fast", None)
+def test_unstorable_results_are_refused(value: object, result_encoder: str):
     with pytest.raises(idemq.ResultNotSerializableError):
         encode_result(value)
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["c-encoder", "public-encoder"])
-def test_a_result_that_contains_itself_is_refused(fast: bool, monkeypatch: pytest.MonkeyPatch):
-    if not fast:
-        monkeypatch.setattr(core, "_encode_result_fast", None)
+def test_a_result_that_contains_itself_is_refused(result_encoder: str):
     cycle: list[object] = [1]
     cycle.append({"again": cycle})
     with pytest.raises(idemq.ResultNotSerializableError):
