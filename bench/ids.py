@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from idemq.ids import MessageIdGenerator, system_clock_ms
+from idemq.ids.generator import MessageIdGenerator, system_clock_ms
 
 TARGET_IDS_PER_S = 1_000_000
 

@@ -35,7 +35,7 @@ import redis
 import idemq
 from idemq.stores import redis_ops
 from idemq.stores.base import ClaimRequest, Key
-from idemq.stores.redis import RedisStore
+from idemq.stores.redis.store import RedisStore
 
 LEASE_MS = 30_000
 TTL_S = 3_600

@@ -26,7 +26,7 @@ import pymysql
 import sqlalchemy as sa
 
 import idemq
-from idemq.core import Policy
+from idemq.guard.core import Policy
 
 PG_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

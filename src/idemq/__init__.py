@@ -3,9 +3,18 @@
 Brokers deliver at least once; idemq records each message id in a dedup store — in the same
 database transaction as the business change when it can — so every message's effect happens once.
 See the README for the guarantees of each store and mode.
+
+Every public name is importable from here; the subpackages (``idemq.guard``, ``idemq.stores``,
+``idemq.brokers`` …) hold the code, one job per package.
 """
 
-from idemq.core import Mode, Outcome, Status
+from idemq.business import (
+    StateMachine,
+    Transition,
+    TransitionResult,
+    versioned_update,
+    versioned_update_async,
+)
 from idemq.errors import (
     ClockMovedBackwardsError,
     ConfigurationError,
@@ -24,21 +33,16 @@ from idemq.errors import (
     StoreUnavailableError,
     UnknownEventError,
 )
-from idemq.idempotency import Idempotency
-from idemq.idempotency_async import AsyncIdempotency
-from idemq.ids import MessageIdGenerator, MessageIdParts, parse_message_id
+from idemq.guard import AsyncIdempotency, Idempotency, Mode, Outcome, Status
+from idemq.ids import MessageIdGenerator, MessageIdParts, NodeLease, lease_node, parse_message_id
 from idemq.lock import AsyncRedisLock, RedisLock
 from idemq.message import Message
-from idemq.node_lease import NodeLease, lease_node
 from idemq.observe import CompositeObserver, LoggingObserver, Observer
-from idemq.state_machine import StateMachine, Transition, TransitionResult
 from idemq.stores import open_store
 from idemq.stores.base import Record, RecordStatus, StoreStats
 from idemq.stores.memory import MemoryStore
 from idemq.stores.redis import AsyncRedisStore, RedisStore
-from idemq.stores.sql import SqlStore
-from idemq.stores.sql_async import AsyncSqlStore
-from idemq.versioned import versioned_update, versioned_update_async
+from idemq.stores.sql import AsyncSqlStore, SqlStore
 
 __version__ = "0.1.0"
 
@@ -91,3 +95,12 @@ __all__ = [
     "versioned_update",
     "versioned_update_async",
 ]
+
+# Public names report ``idemq`` as their module (reprs, pickles, docs), not the private path of
+# the file that defines them, so moving code between files never changes what users see.
+# Exceptions keep ``idemq.errors``, their documented home.
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("idemq.") and _obj.__module__ != "idemq.errors":
+        _obj.__module__ = __name__
+del _name, _obj

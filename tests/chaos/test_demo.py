@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from idemq.demo import DemoConfig, run_demo
+from idemq.chaos.demo import DemoConfig, run_demo
 
 pytestmark = pytest.mark.slow
 

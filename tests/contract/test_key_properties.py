@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import idemq
-from idemq.core import MAX_MESSAGE_ID_CHARS, validate_message_id
+from idemq.guard.core import MAX_MESSAGE_ID_CHARS, validate_message_id
 from tests.contract.conftest import dispose, make_store
 
 # Every code point a key may hold: no NUL, no lone surrogates (neither is storable in UTF-8 /

@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 
 import idemq
-from idemq.batching import BatchSettings, collect
 from idemq.brokers import open_broker
-from idemq.brokers.base import Broker, Delivery, Verdict
-from idemq.worker import Worker, open_guard
+from idemq.brokers.base import Broker, Delivery
+from idemq.brokers.settlement import Verdict
+from idemq.worker.batch import BatchSettings, collect
+from idemq.worker.loop import Worker
+from idemq.worker.run import open_guard
 from tests.conftest import require_service, unique
 from tests.integration.brokers.contract import FAST, Business, Running, wait_for
 
@@ -62,15 +64,15 @@ def publisher(broker_url: str, queue: str) -> Iterator[Broker]:
 
 
 class AckAudit:
-    """Wraps ``Worker.settle_many``: at every ack, the effect must already be committed."""
+    """Wraps ``Settler.settle_many``: at every ack, the effect must already be committed."""
 
     def __init__(self, worker: Worker, business: Business) -> None:
         self.business = business
         self.acked_before_commit: list[str] = []
         self.settled: Counter[Verdict] = Counter()
         self._lock = threading.Lock()
-        self._settle_many = worker.settle_many
-        worker.settle_many = self.settle_many  # type: ignore[method-assign]
+        self._settle_many = worker.settler.settle_many
+        worker.settler.settle_many = self.settle_many  # type: ignore[method-assign]
 
     def settle_many(self, judged: Sequence[tuple[Delivery, Verdict, str]]) -> list[Verdict]:
         # Read through another connection: only committed rows are visible there.

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 import idemq
-from idemq.core import system_clock_ms
+from idemq._clock import system_clock_ms
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, require_service, unique
 
 MESSAGE = "PAY_20240115143000123_NODE01_0001"

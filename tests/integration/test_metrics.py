@@ -11,8 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import idemq
-from idemq.metrics import PrometheusObserver, StoreCollector, serve_metrics
-from idemq.observe import CompositeObserver, LoggingObserver, store_label
+from idemq.guard.probes import CompositeObserver
+from idemq.observe.logs import LoggingObserver
+from idemq.observe.prometheus import PrometheusObserver, StoreCollector, serve_metrics
+from idemq.stores import store_label
 from idemq.stores.base import ClaimRequest, Key
 from tests.conftest import unique
 from tests.contract.conftest import FakeClock, dispose, make_store
@@ -254,7 +256,8 @@ def test_worker_serves_metrics_on_metrics_port(tmp_path: Path) -> None:
     import time  # noqa: PLC0415
 
     from idemq.brokers.embedded import EmbeddedBroker  # noqa: PLC0415
-    from idemq.worker import Worker, run_worker  # noqa: PLC0415
+    from idemq.worker.loop import Worker  # noqa: PLC0415
+    from idemq.worker.run import run_worker  # noqa: PLC0415
 
     queue_path = tmp_path / "queue.db"
     producer = EmbeddedBroker(queue_path)

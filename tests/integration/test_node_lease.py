@@ -19,9 +19,10 @@ import sqlalchemy as sa
 
 import idemq
 from idemq.errors import ConfigurationError, LeaseLostError
-from idemq.ids import MessageIdGenerator, parse_message_id
-from idemq.node_lease import NodeLease, lease_node
-from idemq.timestamp_store import RedisTimestampStore, SqlTimestampStore
+from idemq.ids.format import parse_message_id
+from idemq.ids.generator import MessageIdGenerator
+from idemq.ids.node_lease import NodeLease, lease_node
+from idemq.ids.timestamp_store import RedisTimestampStore, SqlTimestampStore
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, require_service, unique
 
 SRC_DIR = str(Path(idemq.__file__).resolve().parents[1])
@@ -108,8 +109,8 @@ def env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LeaseEnv]:
 CHILD = textwrap.dedent(
     """
     import os, sys
-    from idemq.ids import MessageIdGenerator
-    from idemq.node_lease import lease_node
+    from idemq.ids.generator import MessageIdGenerator
+    from idemq.ids.node_lease import lease_node
     url, pool, table, out, count, ttl_s = sys.argv[1:7]
     try:
         lease = lease_node(url, pool=pool, nodes=range(1, 5), sql_table=table, ttl_s=float(ttl_s))

@@ -28,8 +28,8 @@ from examples.orders import handlers as handlers_module
 from sqlalchemy import func, insert, select, update
 
 import idemq
+from idemq.business.state_machine import TransitionResult
 from idemq.errors import InvalidMessageError
-from idemq.state_machine import TransitionResult
 from tests.conftest import unique
 
 WORKERS = 8

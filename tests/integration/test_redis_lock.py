@@ -18,9 +18,9 @@ import redis
 import redis.asyncio
 from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table, create_engine, select
 
+from idemq.business.versioned import versioned_update
 from idemq.errors import ConfigurationError, LockError, LockNotOwnedError, StoreUnavailableError
-from idemq.lock import AsyncRedisLock, RedisLock
-from idemq.versioned import versioned_update
+from idemq.lock.redis_lock import AsyncRedisLock, RedisLock
 from tests.conftest import unique
 
 pytestmark = pytest.mark.redis

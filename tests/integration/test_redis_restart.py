@@ -20,7 +20,7 @@ import redis
 
 import idemq
 from idemq.errors import StoreUnavailableError
-from idemq.stores.redis import AsyncRedisStore, RedisStore
+from idemq.stores.redis.store import AsyncRedisStore, RedisStore
 from tests.conftest import CI, port_open, unique
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

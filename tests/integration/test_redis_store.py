@@ -21,7 +21,8 @@ import redis
 import redis.asyncio
 
 import idemq
-from idemq.core import system_clock_ms
+from idemq._clock import system_clock_ms
+from idemq.drivers.redis import translate_error
 from idemq.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -31,9 +32,8 @@ from idemq.errors import (
     StoreUnavailableError,
 )
 from idemq.stores.base import AsyncStore, ClaimRequest, Key, RecordStatus, Store
-from idemq.stores.redis import AsyncRedisStore, RedisStore
-from idemq.stores.redis_io import translate_error
-from idemq.stores.redis_ops import Layout
+from idemq.stores.redis.keys import Layout
+from idemq.stores.redis.store import AsyncRedisStore, RedisStore
 from tests.conftest import REDIS_URL, port_open, unique
 
 pytestmark = pytest.mark.redis

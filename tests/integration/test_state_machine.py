@@ -33,8 +33,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
+from idemq.business.state_machine import StateMachine, TransitionResult
 from idemq.errors import ConfigurationError, StoreConflictError, StoreError
-from idemq.state_machine import StateMachine, TransitionResult
 from tests.conftest import unique
 
 R = TransitionResult
@@ -349,7 +349,7 @@ def test_fencing_with_real_redis_lock_tokens(db: Db, redis_url: str) -> None:
     # and re-acquired by someone else) carries an older token and is fenced off.
     import redis  # noqa: PLC0415
 
-    from idemq.lock import RedisLock  # noqa: PLC0415
+    from idemq.lock.redis_lock import RedisLock  # noqa: PLC0415
 
     client = redis.Redis.from_url(redis_url)
     name = unique("lock")

@@ -14,8 +14,8 @@ from examples.orders.schema import make_async_engine, make_engine
 from sqlalchemy import BigInteger, Column, Engine, Integer, MetaData, String, Table, select
 from sqlalchemy.orm import Session
 
+from idemq.business.versioned import versioned_update, versioned_update_async
 from idemq.errors import StoreError
-from idemq.versioned import versioned_update, versioned_update_async
 from tests.conftest import unique
 
 WORKERS = 8

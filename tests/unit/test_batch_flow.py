@@ -11,14 +11,8 @@ from typing import Any
 import pytest
 
 import idemq
-from idemq.batch_flow import (
-    BatchPasses,
-    Handle,
-    HandlerFailedError,
-    batch_flow,
-    plan_batch,
-)
-from idemq.core import CLAIM_ATTEMPTS, Policy, Status
+from idemq.guard.batch_flow import BatchPasses, Handle, HandlerFailedError, batch_flow, plan_batch
+from idemq.guard.core import CLAIM_ATTEMPTS, Policy, Status
 from idemq.stores.base import Claim, Record, RecordStatus
 
 

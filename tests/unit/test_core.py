@@ -7,18 +7,9 @@ import json
 import pytest
 
 import idemq
-from idemq import core
-from idemq.batch_flow import plan_batch
-from idemq.core import (
-    Mode,
-    Policy,
-    Status,
-    decode_result,
-    encode_result,
-    hash_payload,
-    judge,
-    validate_business_id,
-)
+from idemq.guard.batch_flow import plan_batch
+from idemq.guard.codec import decode_result, encode_result, hash_payload
+from idemq.guard.core import Mode, Policy, Status, judge, validate_business_id
 from idemq.stores.base import Claim, Key, Record, RecordStatus
 
 
@@ -53,32 +44,19 @@ STORABLE = [0, True, "", 'é\u2028"\\', -0.5, 1e300, 2**70, Status.PROCESSED, Mo
 STORABLE += [[1, "a", None], {"ü": {"n": [1.25, False]}, "": []}, (1, 2), {"k": (3,)}]
 
 
-@pytest.fixture(params=["c-encoder", "public-encoder"])
-def result_encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test with encode_result's prebuilt C encoder, then with the public JSONEncoder."""
-    if request.param == "c-encoder":
-        assert core._encode_result_fast is not None  # CPython: the fast path is in use
-    else:
-        monkeypatch.setattr(core, "_encode_result_fast", None)
-    return str(request.param)
-
-
 @pytest.mark.parametrize("value", STORABLE)
-def test_results_are_stored_as_compact_json_whichever_encoder_runs(
-    value: object, result_encoder: str
-):
-    # The prebuilt C encoder must write exactly what the public JSONEncoder writes.
+def test_results_are_stored_as_compact_json(value: object):
     expected = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     assert encode_result(value) == expected
 
 
 @pytest.mark.parametrize("value", [object(), {1, 2}, float("nan"), b"bytes", {"a": [object()]}])
-def test_unstorable_results_are_refused(value: object, result_encoder: str):
+def test_unstorable_results_are_refused(value: object):
     with pytest.raises(idemq.ResultNotSerializableError):
         encode_result(value)
 
 
-def test_a_result_that_contains_itself_is_refused(result_encoder: str):
+def test_a_result_that_contains_itself_is_refused():
     cycle: list[object] = [1]
     cycle.append({"again": cycle})
     with pytest.raises(idemq.ResultNotSerializableError):

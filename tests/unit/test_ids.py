@@ -21,14 +21,9 @@ from idemq.errors import (
     LeaseLostError,
     StoreUnavailableError,
 )
-from idemq.ids import (
-    MAX_TIMESTAMP_MS,
-    MessageIdGenerator,
-    format_timestamp_ms,
-    generate_ids,
-    parse_message_id,
-)
-from idemq.timestamp_store import FileTimestampStore
+from idemq.ids.format import MAX_TIMESTAMP_MS, format_timestamp_ms, parse_message_id
+from idemq.ids.generator import MessageIdGenerator, generate_ids
+from idemq.ids.timestamp_store import FileTimestampStore
 
 T0 = 1_705_329_000_123  # 2024-01-15T14:30:00.123Z
 

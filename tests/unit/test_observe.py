@@ -15,8 +15,10 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 import idemq
-from idemq.observe import CompositeObserver, LoggingObserver, Observer, store_label
-from idemq.tracing import OtelObserver, tracing_available
+from idemq.guard.probes import CompositeObserver, Observer
+from idemq.observe.logs import LoggingObserver
+from idemq.observe.otel import OtelObserver, tracing_available
+from idemq.stores import store_label
 
 
 class Recorder(Observer):

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from idemq.brokers.base import (
-    Ack,
-    DeadLetter,
-    Retry,
-    RetryPolicy,
-    Verdict,
-    classify,
-    decide,
-    decode,
-    mask_url,
-)
+from idemq.brokers.base import decode, mask_url
+from idemq.brokers.settlement import Ack, DeadLetter, Retry, RetryPolicy, Verdict, classify, decide
 from idemq.errors import (
     InvalidBusinessIdError,
     InvalidMessageError,

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Connection, create_engine, text
 
+from idemq.business.state_machine import StateMachine, TransitionResult
+from idemq.business.versioned import versioned_update
 from idemq.errors import ConfigurationError, InvalidInputError, UnknownEventError
-from idemq.state_machine import StateMachine, TransitionResult
-from idemq.versioned import versioned_update
 
 STATES = ["PENDING_PAYMENT", "PAYMENT_FAILED", "PAID", "SHIPPED"]
 TRANSITIONS = {

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from urllib.parse import urlsplit
 
-from idemq.brokers.base import Broker, Delivery, RetryPolicy
+from idemq.brokers.base import Broker, Delivery
+from idemq.brokers.settlement import RetryPolicy
 from idemq.errors import ConfigurationError
 
 __all__ = ["SCHEMES", "Broker", "Delivery", "RetryPolicy", "open_broker"]

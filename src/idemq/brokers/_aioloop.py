@@ -6,7 +6,7 @@ client's callbacks push deliveries into an :class:`Inbox` the sync iterator drai
 objects are touched only from the loop thread (they are not thread-safe).
 
 Settlements are the exception to "hand over and wait": a blocking hop to the loop and back cost
-~0.3 ms per message, as much as the message's whole transaction. :class:`Settler` queues them
+~0.3 ms per message, as much as the message's whole transaction. :class:`AckQueue` queues them
 instead and runs everything queued in one go on the loop; the worker learns of a failure through
 the returned future (counted and logged, never silent). While more deliveries are already waiting
 for the worker, a settlement is *held* (not even the loop is woken) and goes out with the others
@@ -30,7 +30,7 @@ from idemq.errors import BrokerError, BrokerUnavailableError
 
 T = TypeVar("T")
 
-__all__ = ["Inbox", "LoopThread", "Settler"]
+__all__ = ["Inbox", "LoopThread", "AckQueue"]
 
 log = logging.getLogger("idemq.brokers")
 
@@ -81,7 +81,7 @@ async def _logged(fn: Callable[[], Awaitable[object]]) -> None:
 Action = Callable[[], Awaitable[object]]
 
 
-class Settler:
+class AckQueue:
     """Settlements (acks, nacks) queued by worker threads and run on the loop, many per wake-up.
 
     :meth:`submit` does not wait: the action is appended to a list and the loop is woken only by
@@ -231,7 +231,7 @@ class _FlushingFuture(Future[None]):
     """A settlement's future: waiting on it first flushes its settler, so a held action that
     someone waits for goes out now instead of at the next flush."""
 
-    def __init__(self, settler: Settler) -> None:
+    def __init__(self, settler: AckQueue) -> None:
         super().__init__()
         self._settler = settler
 

@@ -1,15 +1,10 @@
-"""What every broker adapter offers, and the settlement policy they all share.
+"""What every broker adapter offers: a consumer of :class:`Delivery` objects, each settled once.
 
 An adapter turns its broker's at-least-once delivery into an iterator of :class:`Delivery`
 objects (``None`` when idle, so the worker can notice a stop request — dramatiq's consumer
-shape). The worker runs the guard and then settles each delivery exactly once, as decided by
-:func:`decide`, a pure function of (what happened, delivery attempt, policy):
-
-* PROCESSED / DUPLICATE            → ack (only after the dedup transaction committed)
-* IN_PROGRESS                      → retry later, never ack (acking would hide a crashed twin)
-* handler error                    → retry with exponential backoff, dead-letter at max_attempts
-* invalid id / body, payload clash → dead-letter at once (retrying cannot help; it would block)
-* store unavailable                → retry later, never dead-letter (the message is fine)
+shape). The worker runs the guard and then settles each delivery exactly once, as
+:func:`idemq.brokers.settlement.decide` says; a second settlement raises
+:class:`~idemq.errors.AlreadySettledError` instead of being dropped silently.
 
 Settling returns a :class:`~concurrent.futures.Future`: adapters whose client lives on another
 thread (RabbitMQ, NATS) queue acks instead of waiting for each one, and report a failure through
@@ -20,7 +15,6 @@ Streams: one ``XACK`` for a whole batch); the default settles them one by one.
 from __future__ import annotations
 
 import abc
-import enum
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -28,13 +22,10 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
+from idemq.brokers.settlement import Ack, Retry, Settlement
 from idemq.errors import (
     AlreadySettledError,
     BrokerError,
-    InvalidInputError,
-    LeaseLostError,
-    PayloadMismatchError,
-    StoreUnavailableError,
 )
 from idemq.message import BUSINESS_ID_HEADER, MESSAGE_ID_HEADER, Message
 
@@ -44,16 +35,11 @@ __all__ = [
     "DEAD_LETTER_REASON_HEADER",
     "Ack",
     "Broker",
-    "DeadLetter",
     "Delivery",
     "Received",
     "Retry",
-    "RetryPolicy",
     "Settlement",
-    "Verdict",
-    "classify",
     "dead_letter_headers",
-    "decide",
     "decode",
     "mask_url",
     "settle_all",
@@ -62,92 +48,6 @@ __all__ = [
 DEAD_LETTER_REASON_HEADER = "idemq-dead-letter-reason"
 DEAD_LETTER_QUEUE_HEADER = "idemq-original-queue"
 DEAD_LETTER_ATTEMPTS_HEADER = "idemq-delivery-attempts"
-
-
-class Verdict(enum.Enum):
-    """What happened to one delivery; the input of :func:`decide`."""
-
-    PROCESSED = "processed"
-    DUPLICATE = "duplicate"
-    IN_PROGRESS = "in_progress"
-    HANDLER_ERROR = "handler_error"
-    INVALID_MESSAGE = "invalid_message"
-    PAYLOAD_MISMATCH = "payload_mismatch"
-    STORE_UNAVAILABLE = "store_unavailable"
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    """Acknowledge: the effect is committed (or was, by an earlier delivery)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Retry:
-    """Do not ack; have the broker deliver the message again after ``delay_s``."""
-
-    delay_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """Move the message to the dead-letter destination with ``reason`` in its headers."""
-
-    reason: str
-
-
-Settlement = Ack | Retry | DeadLetter
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How long to wait before redelivery, and when a failing message is given up on."""
-
-    max_attempts: int = 5
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 60.0
-    # A twin holds the claim: come back after roughly a lease, not instantly (a hot loop).
-    in_progress_delay_s: float = 5.0
-    store_unavailable_delay_s: float = 2.0
-
-    def backoff_s(self, delivery_attempt: int) -> float:
-        """Exponential backoff for the retry after failed attempt ``delivery_attempt`` (1-based)."""
-        exponent = max(delivery_attempt - 1, 0)
-        return float(min(self.backoff_max_s, self.backoff_base_s * 2.0**exponent))
-
-
-def decide(
-    verdict: Verdict, delivery_attempt: int, policy: RetryPolicy, detail: str = ""
-) -> Settlement:
-    """Map what happened to one delivery to how it must be settled (pure; see module doc)."""
-    if verdict in (Verdict.PROCESSED, Verdict.DUPLICATE):
-        return Ack()
-    if verdict is Verdict.IN_PROGRESS:
-        return Retry(policy.in_progress_delay_s)
-    if verdict is Verdict.STORE_UNAVAILABLE:
-        # Never counted against max_attempts: an outage must not dead-letter good messages.
-        return Retry(policy.store_unavailable_delay_s)
-    if verdict is Verdict.HANDLER_ERROR:
-        if delivery_attempt >= policy.max_attempts:
-            return DeadLetter(
-                f"{verdict.value}: gave up after {delivery_attempt} attempts: {detail}".rstrip()
-            )
-        return Retry(policy.backoff_s(delivery_attempt))
-    # INVALID_MESSAGE, PAYLOAD_MISMATCH: the same bytes fail the same way every time.
-    return DeadLetter(f"{verdict.value}: {detail}".rstrip())
-
-
-def classify(exc: BaseException) -> Verdict:
-    """Which :class:`Verdict` an exception raised by ``guard.process`` stands for."""
-    if isinstance(exc, StoreUnavailableError):
-        return Verdict.STORE_UNAVAILABLE
-    if isinstance(exc, PayloadMismatchError):
-        return Verdict.PAYLOAD_MISMATCH
-    if isinstance(exc, InvalidInputError):
-        return Verdict.INVALID_MESSAGE
-    if isinstance(exc, LeaseLostError):
-        # Another worker took the message over; redeliver later and it reads as DUPLICATE.
-        return Verdict.IN_PROGRESS
-    return Verdict.HANDLER_ERROR
 
 
 def decode(

@@ -7,7 +7,7 @@
   a consumer that dies without acking gets its messages redelivered after AckWait; the server's
   ``num_delivered`` is ``delivery_attempt``.
 * Retry after a delay = ``NAK`` with a delay (server-side timer). Ack = plain ``+ACK``, queued to
-  the loop thread (:class:`~._aioloop.Settler`) with the others of its burst, then one
+  the loop thread (:class:`~._aioloop.AckQueue`) with the others of its burst, then one
   ``flush()`` (PING/PONG): the PONG proves the server received every ack written before it, and a
   broken connection fails the whole burst, counted as settle failures. While messages of the
   last fetch are still to be handed out, acks are held and go out together before the next
@@ -36,7 +36,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
 
-from idemq.brokers._aioloop import LoopThread, Settler
+from idemq.brokers._aioloop import AckQueue, LoopThread
 from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
@@ -77,7 +77,7 @@ class NatsBroker:
             self._loop.stop()
             raise
         self._js = self._nc.jetstream(timeout=timeout_s)
-        self._settler = Settler(self._loop, "NATS", confirm=lambda: self._nc.flush(timeout_s))
+        self._settler = AckQueue(self._loop, "NATS", confirm=lambda: self._nc.flush(timeout_s))
 
     @classmethod
     def from_url(cls, url: str) -> NatsBroker:
@@ -215,7 +215,7 @@ class NatsBroker:
     def settle_soon(
         self, action: Callable[[], Awaitable[object]], *, hold: bool = False
     ) -> Future[None]:
-        """Queue a settlement on the loop (see :class:`~._aioloop.Settler`); do not wait."""
+        """Queue a settlement on the loop (see :class:`~._aioloop.AckQueue`); do not wait."""
         return self._settler.submit(action, hold=hold)
 
     async def publish_dead_letter(self, queue: str, body: bytes, headers: dict[str, str]) -> None:

@@ -10,10 +10,10 @@
   count towards a limit (RabbitMQ 4 defaults it to 20 — set the policy off there).
 * The id is the AMQP ``message_id`` property, else the ``idemq-message-id`` header. Producers
   must set it to a stable value: aio-pika/aiormq stamp a *random* ``message_id`` on any publish
-  without one, so a retried publish would look like a new message (``idemq.publish`` sets it).
+  without one, so a retried publish would look like a new message (:mod:`.publish` sets it).
 * Retry after a delay = keep the message unacked, nack(requeue) when the timer fires; if the
   connection drops first RabbitMQ requeues it anyway.
-* Acks (and immediate nacks) are queued to the loop thread (:class:`~._aioloop.Settler`) rather
+* Acks (and immediate nacks) are queued to the loop thread (:class:`~._aioloop.AckQueue`) rather
   than waited for one by one; AMQP has no reply to an ack anyway (the frame is written, that is
   all a client ever knows). While prefetched deliveries wait in the consumer's inbox, acks are
   held and go out together when it runs dry (or every 100, or 50 ms after the oldest), so
@@ -34,7 +34,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
-from idemq.brokers._aioloop import Inbox, LoopThread, Settler
+from idemq.brokers._aioloop import AckQueue, Inbox, LoopThread
 from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError
 
@@ -61,7 +61,7 @@ class RabbitMQBroker:
         self.url = url
         self.confirm_timeout_s = confirm_timeout_s
         self._loop = LoopThread("idemq-amqp")
-        self._settler = Settler(self._loop, "RabbitMQ")
+        self._settler = AckQueue(self._loop, "RabbitMQ")
         self._declared: set[str] = set()
         try:
             self._connection, self._channel = self._call(self._connect())
@@ -199,7 +199,7 @@ class RabbitMQBroker:
     def settle_soon(
         self, action: Callable[[], Awaitable[object]], *, hold: bool = False
     ) -> Future[None]:
-        """Queue a settlement on the loop (see :class:`~._aioloop.Settler`); do not wait."""
+        """Queue a settlement on the loop (see :class:`~._aioloop.AckQueue`); do not wait."""
         return self._settler.submit(action, hold=hold)
 
     def settle_later(self, delay_s: float, message: AbstractIncomingMessage) -> None:

@@ -29,13 +29,8 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 
-from idemq.brokers.base import (
-    Ack,
-    Delivery,
-    Received,
-    Settlement,
-    dead_letter_headers,
-)
+from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.brokers.settlement import Ack, Settlement
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["RedisStreamsBroker"]

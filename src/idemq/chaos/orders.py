@@ -44,8 +44,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from idemq.business.state_machine import StateMachine, TransitionResult
 from idemq.errors import InvalidMessageError
-from idemq.state_machine import StateMachine, TransitionResult
 
 __all__ = [
     "ORDER_STATES",

@@ -27,6 +27,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from idemq.brokers.base import mask_url
+from idemq.brokers.publish import Publisher
 from idemq.chaos import faults, rabbitmq_timeout
 from idemq.chaos.events import CAUSES, Tally
 from idemq.chaos.faults import (
@@ -44,7 +45,6 @@ from idemq.chaos.result import ChaosResult, Progress
 from idemq.chaos.supervisor import Supervisor
 from idemq.chaos.worker import WorkerSpec
 from idemq.errors import BrokerUnavailableError
-from idemq.publish import Publisher
 
 __all__ = ["ChaosConfig", "run_chaos"]
 
@@ -203,7 +203,7 @@ class _Run:
         with engine.begin() as conn:
             seed(conn, self.tables, accounts, orders)
         if self.config.guard and not self.redis_store:
-            from idemq.stores.sql import SqlStore  # noqa: PLC0415
+            from idemq.stores.sql.store import SqlStore  # noqa: PLC0415
 
             store = SqlStore(self.config.store_url, table=f"{self.prefix}dedup")
             store.create_schema()

@@ -27,14 +27,15 @@ from typing import Any
 import sqlalchemy as sa
 
 from idemq.brokers import open_broker
-from idemq.brokers.base import Broker, Delivery, Received, RetryPolicy
+from idemq.brokers.base import Broker, Delivery, Received
+from idemq.brokers.settlement import RetryPolicy
 from idemq.chaos.events import COPY_HEADER, EventLog
 from idemq.chaos.orders import OrderService, make_engine, parse_body
-from idemq.core import Outcome, Status
-from idemq.idempotency import Idempotency
+from idemq.guard.core import Outcome, Status
+from idemq.guard.idempotency import Idempotency
 from idemq.message import Message
-from idemq.stores.sql import SqlStore
-from idemq.worker import Worker
+from idemq.stores.sql.store import SqlStore
+from idemq.worker.loop import Worker
 
 __all__ = ["WorkerSpec", "run"]
 
@@ -210,7 +211,7 @@ def _open_guard(spec: WorkerSpec) -> tuple[Idempotency | None, sa.Engine]:
     if not spec.guard:
         return None, make_engine(spec.ledger_url)
     if spec.store_url.startswith(("redis://", "rediss://")):
-        from idemq.stores.redis import RedisStore  # noqa: PLC0415
+        from idemq.stores.redis.store import RedisStore  # noqa: PLC0415
 
         store = RedisStore(spec.store_url, prefix=f"{spec.prefix}idemq")
         guard = Idempotency(store, consumer=spec.consumer, mode="lease", lease_s=spec.lease_s)

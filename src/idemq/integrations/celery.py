@@ -34,14 +34,14 @@ from typing import Any, TypeVar, cast
 
 from celery import Celery, Task
 
-from idemq.core import Status
 from idemq.errors import (
     ConfigurationError,
     InvalidMessageError,
     InvalidMessageIdError,
     StoreUnavailableError,
 )
-from idemq.idempotency import Idempotency
+from idemq.guard.core import Status
+from idemq.guard.idempotency import Idempotency
 
 __all__ = ["IdempotentTask", "current_tx", "idempotent_task"]
 

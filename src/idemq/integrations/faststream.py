@@ -39,18 +39,16 @@ from typing import Any
 from faststream import BaseMiddleware
 from faststream.exceptions import IgnoredException, SkipMessage
 
-from idemq.brokers.base import (
+from idemq.brokers.base import dead_letter_headers, decode
+from idemq.brokers.settlement import (
     Ack,
     DeadLetter,
     RetryPolicy,
     Settlement,
     Verdict,
     classify,
-    dead_letter_headers,
     decide,
-    decode,
 )
-from idemq.core import Status
 from idemq.errors import (
     ConfigurationError,
     InvalidBusinessIdError,
@@ -58,7 +56,8 @@ from idemq.errors import (
     InvalidMessageError,
     InvalidMessageIdError,
 )
-from idemq.idempotency_async import AsyncIdempotency
+from idemq.guard.core import Status
+from idemq.guard.idempotency_async import AsyncIdempotency
 from idemq.message import BUSINESS_ID_HEADER
 
 from ._faststream_brokers import Family, family_of

@@ -20,9 +20,22 @@ def open_store(url: str, **options: Any) -> Any:
     ``postgresql+psycopg://…``, ``mysql+pymysql://…``). ``options`` go to the store."""
     if is_redis_url(url):
         # Imported on use: redis is an optional extra.
-        from idemq.stores.redis import RedisStore  # noqa: PLC0415
+        from idemq.stores.redis.store import RedisStore  # noqa: PLC0415
 
         return RedisStore(url, **options)
-    from idemq.stores.sql import SqlStore  # noqa: PLC0415
+    from idemq.stores.sql.store import SqlStore  # noqa: PLC0415
 
     return SqlStore(url, **options)
+
+
+def store_label(store: object) -> str:
+    """A short, credential-free name for a store: ``postgresql/message_idempotent``,
+    ``redis/idemq``, ``memory``."""
+    table = getattr(store, "table", None)
+    engine = getattr(store, "engine", None)
+    if table is not None and engine is not None:
+        return f"{engine.dialect.name}/{table.name}"
+    prefix = getattr(store, "prefix", None)
+    if isinstance(prefix, str):
+        return f"redis/{prefix}"
+    return type(store).__name__.removesuffix("Store").lower() or "store"

@@ -1,7 +1,7 @@
 """What a dedup store is: a few small primitives, each atomic on the server.
 
 Everything else (validation, hashing, JSON, units, the decision of what a claim means) lives once,
-in :mod:`idemq.core`. A backend only has to answer these questions atomically:
+in :mod:`idemq.guard.core`. A backend only has to answer these questions atomically:
 
 * ``claim``     — insert the record as PROCESSING for ``owner`` until ``now + lease``; if a record
   exists and is PROCESSING with an expired lease, take it over; otherwise hand back the record.
@@ -64,7 +64,7 @@ class Key:
 
 @dataclass(slots=True)
 class ClaimRequest:
-    """Everything a store needs to claim one message; built (and validated) by :mod:`idemq.core`.
+    """Everything a store needs to claim one message; built and validated by the guard.
 
     Not frozen: one is built per message on the hot path, where a frozen dataclass costs three
     times as much (each field goes through ``object.__setattr__``), and it never outlives the

@@ -12,7 +12,7 @@ from copy import copy
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from idemq.core import system_clock_ms
+from idemq._clock import system_clock_ms
 from idemq.errors import LeaseLostError
 from idemq.stores.base import (
     DEFAULT_CONSUMER,

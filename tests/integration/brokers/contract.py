@@ -24,14 +24,11 @@ import sqlalchemy as sa
 
 from idemq import Idempotency
 from idemq.brokers import open_broker
-from idemq.brokers.base import (
-    DEAD_LETTER_REASON_HEADER,
-    Broker,
-    RetryPolicy,
-    Verdict,
-)
+from idemq.brokers.base import DEAD_LETTER_REASON_HEADER, Broker
+from idemq.brokers.settlement import RetryPolicy, Verdict
 from idemq.message import Message
-from idemq.worker import Worker, open_guard
+from idemq.worker.loop import Worker
+from idemq.worker.run import open_guard
 from tests.conftest import require_service, unique
 
 from ._proxy import CuttableProxy
@@ -338,8 +335,9 @@ CRASH_SCRIPT = textwrap.dedent(
     import os, sys
     import sqlalchemy as sa
     from idemq.brokers import open_broker
-    from idemq.brokers.base import Verdict
-    from idemq.worker import Worker, open_guard
+    from idemq.brokers.settlement import Verdict
+    from idemq.worker.loop import Worker
+    from idemq.worker.run import open_guard
 
     broker_url, queue, store_url, table, consumer = sys.argv[1:6]
 
@@ -376,7 +374,7 @@ SLOW_HANDLER = textwrap.dedent(
 SIGTERM_SCRIPT = textwrap.dedent(
     """
     import logging, sys
-    from idemq.worker import run_worker
+    from idemq.worker.run import run_worker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     broker_url, queue, store_url, consumer = sys.argv[1:5]

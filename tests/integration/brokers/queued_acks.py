@@ -1,6 +1,6 @@
 """The contract of adapters that queue their acks to a loop thread (RabbitMQ, NATS).
 
-``Delivery.ack()`` returns before the ack left (``idemq.brokers._aioloop.Settler``). That must
+``Delivery.ack()`` returns before the ack left (``idemq.brokers._aioloop.AckQueue``). That must
 not cost a guarantee: a worker killed with acks still queued gets those messages redelivered and
 the guard applies each once; a graceful stop sends what is queued; an ack that fails is counted.
 """
@@ -16,9 +16,10 @@ from collections import Counter
 from typing import Any
 
 from idemq.brokers import open_broker
-from idemq.brokers.base import Broker, Delivery, Verdict
+from idemq.brokers.base import Broker, Delivery
+from idemq.brokers.settlement import Verdict
 from idemq.message import Message
-from idemq.worker import Worker
+from idemq.worker.loop import Worker
 from tests.conftest import unique
 
 from .contract import FAST, SRC, BrokerContract, Business, Running, wait_for
@@ -193,7 +194,8 @@ KILL_SCRIPT = textwrap.dedent(
     import os, signal, sys, threading, time
     import sqlalchemy as sa
     from idemq.brokers import open_broker
-    from idemq.worker import Worker, open_guard
+    from idemq.worker.loop import Worker
+    from idemq.worker.run import open_guard
 
     broker_url, queue, store_url, table, consumer = sys.argv[1:6]
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from idemq.brokers.base import Verdict
 from idemq.brokers.embedded import EmbeddedBroker
+from idemq.brokers.settlement import Verdict
 from idemq.errors import AlreadySettledError
 from idemq.message import Message
-from idemq.worker import Worker, open_guard
+from idemq.worker.loop import Worker
+from idemq.worker.run import open_guard
 from tests.conftest import unique
 
 from .contract import FAST, SRC, BrokerContract, Business, Running, wait_for
@@ -97,7 +98,7 @@ def handle(msg, tx):
 
 RUN_WORKER = """
 import logging, sys
-from idemq.worker import run_worker
+from idemq.worker.run import run_worker
 
 logging.basicConfig(level=logging.INFO)
 run_worker("counting_handler:handle", broker_url=sys.argv[1], queue=sys.argv[2],

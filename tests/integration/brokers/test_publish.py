@@ -10,9 +10,9 @@ import pytest
 
 from idemq.brokers import open_broker
 from idemq.brokers.embedded import EmbeddedBroker
+from idemq.brokers.publish import Publisher, default_node, publish
 from idemq.errors import BrokerUnavailableError
-from idemq.ids import parse_message_id
-from idemq.publish import Publisher, default_node, publish
+from idemq.ids.format import parse_message_id
 from tests.conftest import require_service, unique
 
 

@@ -22,7 +22,8 @@ import sqlalchemy as sa
 from faststream import BaseMiddleware, Context
 
 from idemq import AsyncIdempotency, AsyncSqlStore
-from idemq.brokers.base import DEAD_LETTER_REASON_HEADER, RetryPolicy
+from idemq.brokers.base import DEAD_LETTER_REASON_HEADER
+from idemq.brokers.settlement import RetryPolicy
 from idemq.integrations.faststream import TX_CONTEXT_KEY, IdempotencyMiddleware, current_tx
 from idemq.message import MESSAGE_ID_HEADER
 from tests.conftest import require_service, unique

@@ -1,0 +1,5 @@
+"""``python -m idemq.cli``."""
+
+from idemq.cli.parser import main
+
+raise SystemExit(main())

@@ -1,0 +1,307 @@
+"""What each ``idemq`` command does once :mod:`idemq.cli` has parsed its arguments: call the
+library, render the answer (rich tables, or ``--json``), return an exit code named below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.prompt import Confirm
+from rich.table import Table
+
+from idemq.stores import admin
+from idemq.stores.admin import record_dict
+
+__all__ = [
+    "EXIT_ABORTED",
+    "EXIT_FAILED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_STORE",
+    "EXIT_USAGE",
+    "cmd_chaos",
+    "cmd_demo",
+    "cmd_id_new",
+    "cmd_id_parse",
+    "cmd_inspect",
+    "cmd_publish",
+    "cmd_purge",
+    "cmd_release",
+    "cmd_schema",
+    "cmd_stats",
+    "cmd_worker",
+    "console",
+    "err_console",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and the answer is "no" (demo invariant violated, …)
+EXIT_USAGE = 2  # bad arguments or configuration (argparse uses 2 as well)
+EXIT_NOT_FOUND = 3  # inspect: no such message id
+EXIT_STORE = 4  # the store could not be reached or failed
+EXIT_ABORTED = 5  # release: the operator said no (or no TTY to ask on and no --yes)
+EXIT_REFUSED = 6  # release: the record is PROCESSED (deleting it would let it run twice)
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str, ensure_ascii=False))
+
+
+def _record_table(data: dict[str, Any]) -> Table:
+    table = Table(title=f"{data['message_id']} ({data['consumer']})", show_header=False)
+    for key, value in data.items():
+        table.add_row(key, json.dumps(value, ensure_ascii=False) if key == "result" else str(value))
+    return table
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from idemq.chaos.demo import (  # noqa: PLC0415
+        DemoConfig,
+        default_directory,
+        intro,
+        render_report,
+        run_demo,
+    )
+
+    directory = Path(args.dir) if args.dir else default_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    config = DemoConfig(
+        directory, orders=args.orders, workers=args.workers, guard=not args.no_guard
+    )
+    if not args.json:
+        console.rule("[bold]idemq demo[/bold]: exactly-once payments on an at-least-once queue")
+        console.print(intro(config))
+    report = run_demo(config, progress=(lambda _: None) if args.json else console.print)
+    if args.json:
+        _print_json({**report.__dict__, "ok": report.ok})
+    else:
+        render_report(report, console)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from idemq.chaos import ChaosConfig, run_chaos, write_report  # noqa: PLC0415
+    from idemq.chaos.console import render_result, run_with_progress  # noqa: PLC0415
+
+    config = ChaosConfig(
+        broker_url=args.broker,
+        store_url=args.store,
+        messages=args.messages,
+        workers=args.workers,
+        kill_every_s=args.kill_every,
+        slow_rate=args.slow_rate,
+        partition_rate=args.partition_rate,
+        guard=not args.no_guard,
+        directory=Path(args.dir) if args.dir else None,
+        ledger_url=args.ledger,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        keep=args.keep,
+        rate_per_s=args.rate,
+        tune_broker=args.tune_broker,
+    )
+    if args.json:
+        result = run_chaos(config)
+    else:
+        result = run_with_progress(config, console)
+        render_result(result, console)
+    if args.report:
+        path = write_report(result, args.report)
+        if not args.json:
+            console.print(f"report: {path}")
+    if args.json:
+        print(json.dumps(result.to_json(), default=str))  # one line, the last one
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from idemq.worker.run import run_worker  # noqa: PLC0415
+
+    # MODULE:HANDLER is usually the user's own code in the current directory; a console script's
+    # sys.path does not include it (uvicorn and celery add it the same way).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    stats = run_worker(
+        args.handler,
+        broker_url=args.broker,
+        queue=args.queue,
+        store_url=args.store,
+        consumer=args.consumer,
+        concurrency=args.concurrency,
+        prefetch=args.prefetch,
+        max_attempts=args.max_attempts,
+        metrics_port=args.metrics_port,
+        batch_size=args.batch_size,
+        batch_wait_ms=args.batch_wait_ms,
+    )
+    err_console.print(f"idemq worker stopped: {stats}")
+    return EXIT_OK
+
+
+def cmd_id_new(args: argparse.Namespace) -> int:
+    from idemq.ids.generator import generate_ids  # noqa: PLC0415
+
+    for message_id in generate_ids(
+        args.prefix, args.node, args.n, sequence_digits=args.sequence_digits
+    ):
+        print(message_id)
+    return EXIT_OK
+
+
+def cmd_id_parse(args: argparse.Namespace) -> int:
+    from idemq.ids.format import parse_message_id  # noqa: PLC0415
+
+    _print_json(parse_message_id(args.id).to_dict())
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
+    try:
+        records = admin.find_records(store, args.id, args.consumer)
+    finally:
+        store.close()
+    if args.json:
+        _print_json(records)
+    elif records:
+        for record in records:
+            console.print(_record_table(record))
+    else:
+        err_console.print(f"no record of message id {args.id!r}")
+    return EXIT_OK if records else EXIT_NOT_FOUND
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
+    try:
+        report = admin.stats_report(store)
+    finally:
+        store.close()
+    if args.json:
+        _print_json(report)
+        return EXIT_OK
+    table = Table(title=f"idemq store {report['store']}", show_header=False)
+    table.add_row("processing", str(report["records"]["processing"]))
+    table.add_row("processed", str(report["records"]["processed"]))
+    table.add_row("stuck leases (expired, not completed)", str(report["stuck_leases"]))
+    table.add_row(
+        "oldest processing",
+        f"{report['oldest_processing']} ({report['oldest_processing_age_s']} s ago)"
+        if report["oldest_processing"]
+        else "-",
+    )
+    table.add_row("oldest processed", str(report["oldest_processed"] or "-"))
+    size = report["size_bytes"]
+    table.add_row("size", f"{size:,} bytes ({report['size_method']})" if size is not None else "?")
+    console.print(table)
+    if report["stuck_records"]:
+        stuck = Table(title="oldest stuck leases (free one with `idemq release ID`)")
+        columns = ("consumer", "message_id", "created_time", "attempts", "owner")
+        for column in columns:
+            stuck.add_column(column)
+        for record in report["stuck_records"]:
+            stuck.add_row(*(str(record[c]) for c in columns))
+        console.print(stuck)
+    return EXIT_OK
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
+    try:
+        plan = admin.plan_release(store, args.id, args.consumer)
+        if plan.verdict is admin.ReleaseVerdict.NOT_FOUND:
+            err_console.print(f"no record of message id {args.id!r}")
+            return EXIT_NOT_FOUND
+        if plan.verdict is admin.ReleaseVerdict.AMBIGUOUS:
+            names = ", ".join(r.consumer for r in plan.records)
+            err_console.print(
+                f"several consumers hold {args.id!r} in progress ({names}): "
+                "name one with --consumer"
+            )
+            return EXIT_USAGE
+        if plan.verdict is admin.ReleaseVerdict.PROCESSED:
+            err_console.print(
+                f"refusing: {args.id!r} is PROCESSED; deleting it would let it run twice"
+            )
+            return EXIT_REFUSED
+        if not args.json:
+            console.print(_record_table(record_dict(plan.record)))
+        if plan.lease_live:
+            err_console.print(
+                "[yellow]warning:[/yellow] the lease has not expired: its worker "
+                "may still be running, and another may now run it concurrently"
+            )
+        if not args.yes:
+            if not sys.stdin.isatty():
+                err_console.print("not a terminal: pass --yes to release without asking")
+                return EXIT_ABORTED
+            if not Confirm.ask(f"release {args.id!r} ({plan.record.consumer})?", console=console):
+                return EXIT_ABORTED
+        released = admin.release(store, plan.record)
+    finally:
+        store.close()
+    if args.json:
+        _print_json({"message_id": args.id, "consumer": plan.record.consumer, "released": released})
+    elif released:
+        console.print(f"released {args.id!r} ({plan.record.consumer}): it can be retried now")
+    else:
+        err_console.print(f"{args.id!r} was completed or released meanwhile: nothing done")
+    return EXIT_OK if released else EXIT_REFUSED
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    from idemq.stores import open_store  # noqa: PLC0415
+
+    store = open_store(args.store)
+    try:
+        deleted = store.purge(args.older_than, batch_size=args.batch_size)
+    finally:
+        store.close()
+    if args.json:
+        _print_json({"deleted": deleted})
+    else:
+        console.print(f"deleted {deleted} processed records older than {args.older_than}")
+    return EXIT_OK
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from idemq.brokers.publish import publish  # noqa: PLC0415
+
+    body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
+    message_id = publish(
+        args.broker,
+        args.queue,
+        body,
+        message_id=args.id,
+        business_id=args.business_id,
+        headers=dict(args.header),
+        prefix=args.prefix,
+        attempts=args.attempts,
+    )
+    print(message_id)
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from idemq.stores.sql.store import SqlStore, schema_sql  # noqa: PLC0415
+
+    if args.store:
+        store = SqlStore(args.store, table=args.table)
+        try:
+            store.create_schema()
+        finally:
+            store.close()
+        err_console.print(f"created (if missing) table {args.table} in {store.where}")
+        return EXIT_OK
+    print(schema_sql(args.dialect, table=args.table), end="")
+    return EXIT_OK

@@ -1,0 +1,280 @@
+"""The ``idemq`` command: argument parsing only; each command is a function of
+:mod:`idemq.cli.commands`, which calls the library.
+
+Exit codes are named constants (re-exported here); scripts can rely on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+from rich.logging import RichHandler
+
+from idemq.cli.commands import (
+    EXIT_ABORTED,
+    EXIT_FAILED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_STORE,
+    EXIT_USAGE,
+    cmd_chaos,
+    cmd_demo,
+    cmd_id_new,
+    cmd_id_parse,
+    cmd_inspect,
+    cmd_publish,
+    cmd_purge,
+    cmd_release,
+    cmd_schema,
+    cmd_stats,
+    cmd_worker,
+    err_console,
+)
+from idemq.errors import ConfigurationError, IdemqError, InvalidInputError, StoreError
+
+__all__ = [
+    "EXIT_ABORTED",
+    "EXIT_FAILED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_STORE",
+    "EXIT_USAGE",
+    "main",
+]
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30s``, ``15m``, ``12h``, ``7d``, ``2w`` → a timedelta (for ``purge --older-than``)."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration like 7d, 12h, 30m: {text!r}")
+    return timedelta(seconds=float(match.group(1)) * _UNIT_S[match.group(2)])
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` → (key, value), for ``publish --header``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"a header is KEY=VALUE, got {text!r}")
+    return key, value
+
+
+# -- parser --------------------------------------------------------------------------------
+
+
+def _add_store_naming(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--table", help="SQL store: dedup table (default message_idempotent)")
+    command.add_argument("--prefix", help="Redis store: key prefix (default idemq)")
+
+
+def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """``stats`` and ``release``: what on-call engineers run (see README "Operations")."""
+    stats = add("stats", cmd_stats, "records by status, oldest, stuck leases, size of a store")
+    stats.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    stats.add_argument("--json", action="store_true")
+    _add_store_naming(stats)
+    release = add("release", cmd_release, "free a stuck lease so the message can be retried")
+    release.add_argument("id")
+    release.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    release.add_argument("--consumer", help="whose record (needed if several hold the id)")
+    release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    release.add_argument("--json", action="store_true")
+    _add_store_naming(release)
+
+
+def _add_batch_flags(worker: argparse.ArgumentParser) -> None:
+    worker.add_argument(
+        "--batch-size",
+        type=int,
+        help="guard up to N deliveries per transaction; each is settled after its batch commits",
+    )
+    worker.add_argument(
+        "--batch-wait-ms",
+        type=int,
+        default=50,
+        help="how long a partial batch waits for more deliveries (default 50)",
+    )
+
+
+def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
+    chaos.add_argument(
+        "--broker", required=True, help="amqp://, kafka://, nats://, redis://, embedded://"
+    )
+    chaos.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    chaos.add_argument("--messages", type=int, default=500, help="distinct messages (default 500)")
+    chaos.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    chaos.add_argument(
+        "--kill-every", type=float, default=2.0, help="SIGKILL a worker every S seconds (0: never)"
+    )
+    chaos.add_argument(
+        "--slow-rate",
+        type=float,
+        default=0.02,
+        help="share of handlers outlasting the broker timeout",
+    )
+    chaos.add_argument(
+        "--partition-rate",
+        type=float,
+        default=0.01,
+        help="share of publishes whose confirm is lost",
+    )
+    chaos.add_argument("--no-guard", action="store_true", help="same scenario without idemq")
+    chaos.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    chaos.add_argument("--report", help="write a self-contained HTML report here")
+    chaos.add_argument("--ledger", help="order tables' database for a redis:// store")
+    chaos.add_argument("--dir", help="where event files go (default: a temp dir)")
+    chaos.add_argument("--timeout", type=float, default=300.0, help="stop after S seconds")
+    chaos.add_argument("--seed", type=int, default=7)
+    chaos.add_argument("--rate", type=float, default=0.0, help="messages/s (default: unpaced)")
+    chaos.add_argument("--keep", action="store_true", help="keep tables, keys and queue")
+    chaos.add_argument(
+        "--tune-broker",
+        action="store_true",
+        help="RabbitMQ < 3.12: shorten the server-wide consumer_timeout for the run (restored)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list of commands)
+    parser = argparse.ArgumentParser(
+        prog="idemq", description="Exactly-once effects for at-least-once message consumers."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str, func: Callable[[argparse.Namespace], int], help_: str
+    ) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help_, description=help_)
+        command.set_defaults(func=func)
+        return command
+
+    demo = add("demo", cmd_demo, "the three causes of duplicates, live, on SQLite (no servers)")
+    demo.add_argument("--orders", type=int, default=120, help="distinct messages (default 120)")
+    demo.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    demo.add_argument("--no-guard", action="store_true", help="run without idemq, to compare")
+    demo.add_argument("--dir", help="where the queue and ledger files go (default: a temp dir)")
+    demo.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+
+    _chaos_arguments(
+        add("chaos", cmd_chaos, "inject the three causes of duplicates; check the ledger")
+    )
+
+    worker = add("worker", cmd_worker, "run MODULE:HANDLER behind the guard on a broker")
+    worker.add_argument("handler", metavar="MODULE:HANDLER")
+    worker.add_argument(
+        "--broker",
+        required=True,
+        help="amqp://, kafka://, nats://, redis://, mqtt:// or embedded:///path/queue.db",
+    )
+    worker.add_argument("--queue", required=True, help="queue / topic / stream / subject")
+    worker.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    worker.add_argument("--consumer", help="dedup scope (default: the queue name)")
+    worker.add_argument("--concurrency", type=int, default=1)
+    worker.add_argument("--prefetch", type=int)
+    worker.add_argument(
+        "--max-attempts",
+        type=int,
+        default=5,
+        help="handler failures before dead-lettering (default 5)",
+    )
+    worker.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (extra: metrics)"
+    )
+    _add_batch_flags(worker)
+
+    ids = add("id", lambda _: EXIT_USAGE, "message ids: PREFIX_yyyyMMddHHmmssSSS_NODE_SEQ")
+    id_sub = ids.add_subparsers(dest="id_command", required=True, metavar="new|parse")
+    new = id_sub.add_parser("new", help="print fresh ids")
+    new.set_defaults(func=cmd_id_new)
+    new.add_argument("--prefix", required=True)
+    new.add_argument("--node", required=True)
+    new.add_argument("-n", type=int, default=1, help="how many (default 1)")
+    new.add_argument("--sequence-digits", type=int, default=4)
+    parse = id_sub.add_parser("parse", help="split an id into its parts (JSON)")
+    parse.set_defaults(func=cmd_id_parse)
+    parse.add_argument("id")
+
+    inspect = add("inspect", cmd_inspect, "show what the store knows of a message id")
+    inspect.add_argument("id")
+    inspect.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    inspect.add_argument("--consumer", help="only this consumer's record")
+    inspect.add_argument("--json", action="store_true")
+    _add_store_naming(inspect)
+
+    _add_operator_commands(add)
+
+    purge = add("purge", cmd_purge, "delete processed records older than a duration")
+    purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d, 12h")
+    purge.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    purge.add_argument(
+        "--batch-size",
+        type=int,
+        default=1000,
+        help="rows per transaction, so no long lock is held (default 1000)",
+    )
+    purge.add_argument("--json", action="store_true")
+
+    publish = add("publish", cmd_publish, "publish one message with a stamped id; print the id")
+    publish.add_argument("body", metavar="BODY", help="the message body, or - to read stdin")
+    publish.add_argument(
+        "--broker",
+        required=True,
+        help="amqp://, kafka://, nats://, redis://, mqtt:// or embedded:///path/queue.db",
+    )
+    publish.add_argument("--queue", required=True)
+    publish.add_argument("--id", help="message id (default: a fresh PREFIX_… id)")
+    publish.add_argument("--prefix", default="MSG", help="prefix of stamped ids (default MSG)")
+    publish.add_argument("--business-id")
+    publish.add_argument(
+        "--header", type=parse_header, action="append", default=[], metavar="KEY=VALUE"
+    )
+    publish.add_argument(
+        "--attempts",
+        type=int,
+        default=3,
+        help="tries when a confirm times out, always with the same id",
+    )
+
+    schema = add("schema", cmd_schema, "print the dedup table's DDL (or create it with --store)")
+    schema.add_argument(
+        "--dialect", choices=["postgresql", "mysql", "mariadb", "sqlite"], default="postgresql"
+    )
+    schema.add_argument("--table", default="message_idempotent")
+    schema.add_argument("--store", help="create the table in this database instead of printing")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``idemq`` script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_path=False)],
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ConfigurationError, InvalidInputError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return EXIT_USAGE
+    except StoreError as exc:
+        err_console.print(f"[red]store error:[/red] {exc}")
+        return EXIT_STORE
+    except IdemqError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

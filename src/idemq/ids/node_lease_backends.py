@@ -1,0 +1,212 @@
+"""The two node-lease backends: small primitives, each atomic on the server.
+
+Expiry is judged by the **server's** clock (Redis ``PX``; the SQL server's current time), so the
+processes competing for a pool never compare their own, possibly skewed, clocks.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from idemq.errors import StoreUnavailableError
+
+try:
+    import redis
+except ImportError:  # pragma: no cover - the optional 'redis' extra is not installed
+    # SQL leases must keep working without it; a Redis client cannot exist then anyway.
+    redis = None  # type: ignore[assignment]
+
+
+__all__ = ["RedisLeaseBackend", "SqlLeaseBackend"]
+
+# KEYS[1] = lease key; ARGV[1] = owner token, ARGV[2] = ttl in ms.
+# Returns 1 if the owner still held the key and its expiry was reset, 0 otherwise. Compare and act
+# in one script: a GET then PEXPIRE from the client could extend a lease another owner just took.
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# KEYS[1] = lease key; ARGV[1] = owner token, ARGV[2] = hold in ms. Returns 1/0 (owned or not).
+# Release does not delete: it lets our lease run out after a short hold, because a process that
+# took the node at once could issue ids in the very millisecond (or, on a host whose clock is a
+# little behind, the very second) of our last ones — identical ids.
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_MGET_CHUNK = 500
+
+
+class RedisLeaseBackend:
+    """Leases as keys ``idemq:node-lease:{pool}:{node}`` holding the owner token, with ``PX``."""
+
+    def __init__(self, client: redis.Redis, *, owns_client: bool = False) -> None:
+        self._client = client
+        self._owns_client = owns_client
+        self._renew = client.register_script(_RENEW_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
+
+    def close(self) -> None:
+        """Close the client if this backend created it (from a URL)."""
+        if self._owns_client:
+            self._client.close()
+
+    @staticmethod
+    def key(pool: str, node: str) -> str:
+        """The Redis key of one node's lease."""
+        return f"idemq:node-lease:{pool}:{node}"
+
+    def try_acquire(self, pool: str, nodes: list[str], owner: str, ttl_ms: int) -> str | None:
+        """See :class:`idemq.ids.node_lease.LeaseBackend`."""
+        try:
+            for start in range(0, len(nodes), _MGET_CHUNK):
+                chunk = nodes[start : start + _MGET_CHUNK]
+                # One MGET to skip held nodes; SET NX is still what decides (the MGET may be stale).
+                held = self._client.mget([self.key(pool, n) for n in chunk])
+                for node, holder in zip(chunk, held, strict=True):
+                    if holder is None and self._client.set(
+                        self.key(pool, node), owner, nx=True, px=ttl_ms
+                    ):
+                        return node
+        except redis.RedisError as exc:
+            raise StoreUnavailableError(f"cannot lease a node of pool {pool!r}") from exc
+        return None
+
+    def renew(self, pool: str, node: str, owner: str, ttl_ms: int) -> bool:
+        """See :class:`idemq.ids.node_lease.LeaseBackend`."""
+        try:
+            return bool(self._renew(keys=[self.key(pool, node)], args=[owner, ttl_ms]))
+        except redis.RedisError as exc:
+            raise StoreUnavailableError(f"cannot renew node {node!r} of pool {pool!r}") from exc
+
+    def release(self, pool: str, node: str, owner: str, hold_ms: int) -> None:
+        """See :class:`idemq.ids.node_lease.LeaseBackend`."""
+        try:
+            self._release(keys=[self.key(pool, node)], args=[owner, hold_ms])
+        except redis.RedisError as exc:
+            raise StoreUnavailableError(f"cannot release node {node!r} of pool {pool!r}") from exc
+
+
+def _server_now_ms(dialect: str) -> sa.ColumnElement[int]:
+    if dialect == "postgresql":
+        sql = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+    elif dialect in ("mysql", "mariadb"):
+        sql = "CAST(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000) AS SIGNED)"
+    elif dialect == "sqlite":
+        sql = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
+    else:  # pragma: no cover - other dialects: the portable (second precision) fallback
+        return sa.cast(sa.func.extract("epoch", sa.func.current_timestamp()) * 1000, sa.BigInteger)
+    return sa.literal_column(sql, sa.BigInteger)
+
+
+class SqlLeaseBackend:
+    """Leases as rows ``(pool, node, owner, lease_until_ms)`` of ``table``.
+
+    Taking a node is an ``INSERT`` (primary key ``(pool, node)`` arbitrates) or, for an expired
+    row, ``UPDATE … WHERE lease_until_ms < now`` — whoever's statement matches the row wins, the
+    others see ``rowcount == 0`` and move on.
+    """
+
+    def __init__(
+        self, engine: sa.Engine, table: str = "idemq_node_lease", *, owns_engine: bool = False
+    ) -> None:
+        self.engine = engine
+        self._owns_engine = owns_engine
+        self.table = sa.Table(
+            table,
+            sa.MetaData(),
+            sa.Column("pool", sa.String(64), primary_key=True),
+            sa.Column("node", sa.String(64), primary_key=True),
+            sa.Column("owner", sa.String(96), nullable=False),
+            sa.Column("lease_until_ms", sa.BigInteger, nullable=False),
+        )
+        self._now_ms = _server_now_ms(engine.dialect.name)
+        try:
+            self.table.create(engine, checkfirst=True)
+        except SQLAlchemyError as exc:
+            # Concurrent starters race between the existence check and CREATE; losing is fine.
+            if not sa.inspect(engine).has_table(table):
+                raise StoreUnavailableError(f"cannot create table {table!r}") from exc
+
+    def close(self) -> None:
+        """Dispose of the engine's connections if this backend created it (from a URL)."""
+        if self._owns_engine:
+            self.engine.dispose()
+
+    def try_acquire(self, pool: str, nodes: list[str], owner: str, ttl_ms: int) -> str | None:
+        """See :class:`idemq.ids.node_lease.LeaseBackend`."""
+        t = self.table
+        try:
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    sa.select(t.c.node, t.c.lease_until_ms >= self._now_ms).where(t.c.pool == pool)
+                ).all()
+            live = {node for node, is_live in rows if is_live}
+            expired = {node for node, is_live in rows if not is_live}
+            for node in nodes:
+                if node in live:
+                    continue
+                if node in expired:
+                    take = (
+                        sa.update(t)
+                        .where(
+                            t.c.pool == pool, t.c.node == node, t.c.lease_until_ms < self._now_ms
+                        )
+                        .values(owner=owner, lease_until_ms=self._now_ms + ttl_ms)
+                    )
+                    with self.engine.begin() as conn:
+                        if conn.execute(take).rowcount == 1:
+                            return node
+                    continue
+                try:
+                    with self.engine.begin() as conn:
+                        conn.execute(
+                            sa.insert(t).values(
+                                pool=pool,
+                                node=node,
+                                owner=owner,
+                                lease_until_ms=self._now_ms + ttl_ms,
+                            )
+                        )
+                    return node
+                except IntegrityError:
+                    continue  # another process inserted it first
+        except SQLAlchemyError as exc:
+            raise StoreUnavailableError(f"cannot lease a node of pool {pool!r}") from exc
+        return None
+
+    def renew(self, pool: str, node: str, owner: str, ttl_ms: int) -> bool:
+        """See :class:`idemq.ids.node_lease.LeaseBackend`."""
+        t = self.table
+        stmt = (
+            sa.update(t)
+            .where(t.c.pool == pool, t.c.node == node, t.c.owner == owner)
+            .values(lease_until_ms=self._now_ms + ttl_ms)
+        )
+        try:
+            with self.engine.begin() as conn:
+                return conn.execute(stmt).rowcount == 1
+        except SQLAlchemyError as exc:
+            raise StoreUnavailableError(f"cannot renew node {node!r} of pool {pool!r}") from exc
+
+    def release(self, pool: str, node: str, owner: str, hold_ms: int) -> None:
+        """See :class:`idemq.ids.node_lease.LeaseBackend`."""
+        t = self.table
+        # Expire after a short hold rather than DELETE; see _RELEASE_LUA for the reason.
+        stmt = (
+            sa.update(t)
+            .where(t.c.pool == pool, t.c.node == node, t.c.owner == owner)
+            .values(lease_until_ms=self._now_ms + hold_ms)
+        )
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(stmt)
+        except SQLAlchemyError as exc:
+            raise StoreUnavailableError(f"cannot release node {node!r} of pool {pool!r}") from exc
