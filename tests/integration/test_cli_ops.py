@@ -16,6 +16,8 @@ import pytest
 
 import idemq
 from idemq import cli
+from idemq._clock import system_clock_ms
+from idemq.guard.codec import hash_payload
 from idemq.stores.base import ClaimRequest, Key, RecordStatus
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL
 from tests.contract.conftest import dispose, make_store
@@ -54,7 +56,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
 
 def seed(store: Any) -> int:
     """3 processed (one twice), 1 stuck claim (lease long over), 1 live claim."""
-    now_ms = idemq.core.system_clock_ms()
+    now_ms = system_clock_ms()
     guard = idemq.Idempotency(store, consumer="orders", mode="lease", lease_s=30)
     for i in range(3):
         guard.process(f"ORDER_{i}", lambda _tx, i=i: {"paid": i}, payload=f"body {i}")
@@ -101,7 +103,7 @@ def test_inspect_shows_status_times_result_and_hash(
     [record] = records
     assert record["status"] == "processed"
     assert record["result"] == {"paid": 0}  # the first run's result; the duplicate did not run
-    assert record["payload_hash"] == idemq.core.hash_payload("body 0")
+    assert record["payload_hash"] == hash_payload("body 0")
     assert record["processed_time"] is not None
     assert record["created_time"] is not None
     code, _ = run(capsys, "inspect", "NOPE", *target.args, "--json")

@@ -202,18 +202,20 @@ KILL_SCRIPT = textwrap.dedent(
     def handler(msg, tx):
         tx.execute(sa.text(f"INSERT INTO {table} (message_id, n) VALUES (:m, 0)"), {"m": msg.id})
 
-    class AcksNeverLeave(Worker):
-        frozen = False
+    broker = open_broker(broker_url)
+    worker = Worker(handler, broker, open_guard(store_url, consumer), queue, prefetch=10)
+    settle_many = worker.settler.settle_many
+    frozen = []
 
-        def settle_many(self, judged):
-            if not self.frozen:
-                # From the first settlement on the loop thread sleeps: every ack stays queued.
-                self.frozen = True
-                self.broker._loop.loop.call_soon_threadsafe(time.sleep, 60)
-                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
-            return super().settle_many(judged)
+    def acks_never_leave(judged):
+        if not frozen:
+            # From the first settlement on the loop thread sleeps: every ack stays queued.
+            frozen.append(True)
+            broker._loop.loop.call_soon_threadsafe(time.sleep, 60)
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return settle_many(judged)
 
-    guard = open_guard(store_url, consumer)
-    AcksNeverLeave(handler, open_broker(broker_url), guard, queue, prefetch=10).run()
+    worker.settler.settle_many = acks_never_leave
+    worker.run()
     """
 )
