@@ -11,34 +11,54 @@ from typing import Any
 import pytest
 
 import idemq
-from idemq.guard.batch_flow import BatchPasses, Handle, HandlerFailedError, batch_flow, plan_batch
+from idemq.guard import flow as steps
+from idemq.guard.batch_flow import BatchPasses, HandlerFailedError, batch_flow, plan_batch
 from idemq.guard.core import CLAIM_ATTEMPTS, Policy, Status
 from idemq.stores.base import Claim, Record, RecordStatus
 
 
-def plan_of(*ids: str):
-    policy = Policy.build(consumer="c", mode="lease", lease_s=30.0, clock=lambda: 1_000)
+def policy_of(mode: str = "lease") -> Policy:
+    return Policy.build(consumer="c", mode=mode, lease_s=30.0, clock=lambda: 1_000)
+
+
+def plan_of(*ids: str, mode: str = "lease"):
+    policy = policy_of(mode)
     messages = [idemq.Message(id=i, body=b"{}") for i in ids]
-    return plan_batch(policy, messages), messages
+    return policy, plan_batch(policy, messages), messages
+
+
+def flow_of(*ids: str, mode: str = "lease", **kw: Any):
+    policy, plan, messages = plan_of(*ids, mode=mode)
+    return batch_flow(policy, plan, messages, **kw)
 
 
 def drive(flow, claims: list[Claim], replies: dict[str, tuple[bool, Any]]):
     """Answer the flow's steps; returns (claimed ids, handled ids, outcomes)."""
+    claimed, handled, outcomes, _trail = drive_trail(flow, claims, replies)
+    return claimed, handled, outcomes
+
+
+def drive_trail(flow, claims: list[Claim], replies: dict[str, tuple[bool, Any]]):
+    """Like :func:`drive`, and the names of every step asked for, in order."""
     claimed: list[str] = []
     handled: list[str] = []
+    trail: list[str] = []
     reply: Any = None
     while True:
         try:
             step = flow.send(reply)
         except StopIteration as stop:
-            return claimed, handled, stop.value
-        if isinstance(step, list):
-            claimed = [r.key.message_id for r in step]
-            reply = claims[: len(step)]
-        else:
-            assert isinstance(step, Handle)
-            handled.append(step.request.key.message_id)
-            reply = replies[step.request.key.message_id]
+            return claimed, handled, stop.value, trail
+        trail.append(type(step).__name__)
+        reply = None
+        if isinstance(step, steps.ClaimMany | steps.ClaimManyIn):
+            claimed = [r.key.message_id for r in step.requests]
+            reply = claims[: len(step.requests)]
+        elif isinstance(step, steps.RunHandler):
+            handled.append(step.message.id)
+            reply = replies[step.message.id]
+        elif isinstance(step, steps.OpenSavepoint):
+            reply = "savepoint"
 
 
 def done(message_id: str, payload_hash: str | None = None) -> Claim:
@@ -48,10 +68,9 @@ def done(message_id: str, payload_hash: str | None = None) -> Claim:
 
 
 def test_new_messages_are_handled_and_duplicates_replayed_without_running():
-    plan, messages = plan_of("a", "b", "c")
     boom = ValueError("boom")
     claimed, handled, outcomes = drive(
-        batch_flow(plan, messages, isolated=True),
+        flow_of("a", "b", "c", isolated=True),
         [Claim.won(), done("b"), Claim.won()],
         {"a": (True, 1), "c": (False, boom)},
     )
@@ -66,11 +85,10 @@ def test_new_messages_are_handled_and_duplicates_replayed_without_running():
 
 
 def test_a_raising_handler_ends_an_optimistic_pass():
-    plan, messages = plan_of("a", "b", "c")
     boom = ValueError("boom")
     with pytest.raises(HandlerFailedError) as caught:
         drive(
-            batch_flow(plan, messages, isolated=False),
+            flow_of("a", "b", "c", mode="transactional", isolated=False),
             [Claim.won()] * 3,
             {"a": (True, None), "b": (False, boom)},
         )
@@ -78,10 +96,9 @@ def test_a_raising_handler_ends_an_optimistic_pass():
 
 
 def test_an_isolated_pass_neither_claims_nor_reruns_the_message_that_failed():
-    plan, messages = plan_of("a", "b", "c")
     boom = ValueError("boom")
     claimed, handled, outcomes = drive(
-        batch_flow(plan, messages, isolated=True, failures={1: boom}),
+        flow_of("a", "b", "c", mode="transactional", isolated=True, failures={1: boom}),
         [Claim.won(), Claim.won()],
         {"a": (True, None), "c": (True, None)},
     )
@@ -91,9 +108,8 @@ def test_an_isolated_pass_neither_claims_nor_reruns_the_message_that_failed():
 
 
 def test_a_payload_mismatch_fails_only_its_message():
-    plan, messages = plan_of("a", "b")
     _claimed, handled, outcomes = drive(
-        batch_flow(plan, messages, isolated=False),
+        flow_of("a", "b", mode="transactional", isolated=False),
         [done("a", payload_hash="another body"), Claim.won()],
         {"b": (True, None)},
     )
@@ -103,23 +119,86 @@ def test_a_payload_mismatch_fails_only_its_message():
 
 
 def test_a_batch_with_nothing_to_claim_asks_for_nothing():
-    plan, messages = plan_of("a")
     boom = ValueError("boom")
     claimed, handled, outcomes = drive(
-        batch_flow(plan, messages, isolated=True, failures={0: boom}), [], {}
+        flow_of("a", mode="transactional", isolated=True, failures={0: boom}), [], {}
     )
     assert (claimed, handled) == ([], [])
     assert outcomes[0].error is boom
 
 
-@pytest.mark.parametrize("isolated", [False, True])
-def test_each_handle_step_says_whether_the_shell_isolates_it(isolated: bool):
-    plan, messages = plan_of("a", "b")
-    flow = batch_flow(plan, messages, isolated=isolated)
-    next(flow)  # the claim step
-    step = flow.send([Claim.won(), Claim.won()])
-    assert isinstance(step, Handle)
-    assert (step.request.key.message_id, step.isolated) == ("a", isolated)
+def test_an_optimistic_pass_runs_handlers_without_savepoints():
+    _claimed, _handled, _outcomes, trail = drive_trail(
+        flow_of("a", "b", mode="transactional", isolated=False),
+        [Claim.won(), Claim.won()],
+        {"a": (True, {"r": 1}), "b": (True, None)},
+    )
+    # b returned None: its row already holds null, so nothing is saved for it.
+    assert trail == ["ClaimManyIn", "RunHandler", "SaveResultIn", "RunHandler"]
+
+
+def test_an_isolated_pass_undoes_a_failed_message_and_keeps_the_others():
+    _claimed, _handled, outcomes, trail = drive_trail(
+        flow_of("a", "b", mode="transactional", isolated=True),
+        [Claim.won(), Claim.won()],
+        {"a": (False, ValueError("boom")), "b": (True, None)},
+    )
+    assert trail == [
+        "ClaimManyIn",
+        "OpenSavepoint", "RunHandler", "CloseSavepoint", "ReleaseIn",
+        "OpenSavepoint", "RunHandler", "CloseSavepoint",
+    ]  # fmt: skip
+    assert [o.status for o in outcomes] == [Status.FAILED, Status.PROCESSED]
+
+
+def test_a_store_error_in_an_isolated_pass_fails_the_pass_not_the_message():
+    # A rollback to savepoint that fails means the transaction is gone (InnoDB rolls it back
+    # whole on a deadlock): carrying on would answer PROCESSED for effects never committed.
+    flow = flow_of("a", "b", mode="transactional", isolated=True)
+    assert isinstance(next(flow), steps.ClaimManyIn)
+    assert isinstance(flow.send([Claim.won(), Claim.won()]), steps.OpenSavepoint)
+    assert isinstance(flow.send("savepoint"), steps.RunHandler)
+    close = flow.send((False, ValueError("deadlock in the handler")))
+    assert isinstance(close, steps.CloseSavepoint)
+    assert not close.commit
+    gone = idemq.StoreConflictError("SAVEPOINT does not exist")
+    with pytest.raises(idemq.StoreConflictError):
+        flow.throw(gone)
+
+
+def test_a_lease_batch_completes_each_message_and_releases_a_failed_one():
+    _claimed, _handled, outcomes, trail = drive_trail(
+        flow_of("a", "b", isolated=True),
+        [Claim.won(), Claim.won()],
+        {"a": (True, 1), "b": (False, ValueError("boom"))},
+    )
+    assert trail == ["ClaimMany", "RunHandler", "Complete", "RunHandler", "Release"]
+    assert [o.status for o in outcomes] == [Status.PROCESSED, Status.FAILED]
+
+
+def test_a_lease_lost_at_complete_fails_only_its_message():
+    flow = flow_of("a", "b", isolated=True)
+    next(flow)
+    assert isinstance(flow.send([Claim.won(), Claim.won()]), steps.RunHandler)
+    assert isinstance(flow.send((True, 1)), steps.Complete)
+    lost = idemq.LeaseLostError("taken over")
+    assert isinstance(flow.throw(lost), steps.RunHandler)  # b goes on
+    assert isinstance(flow.send((True, 2)), steps.Complete)
+    with pytest.raises(StopIteration) as done:
+        flow.send(None)
+    outcomes = done.value.value
+    assert outcomes[0].error is lost
+    assert outcomes[1].status is Status.PROCESSED
+
+
+def test_a_keyboard_interrupt_stops_the_batch_after_releasing_its_lease():
+    flow = flow_of("a", "b", isolated=True)
+    next(flow)
+    flow.send([Claim.won(), Claim.won()])
+    interrupt = KeyboardInterrupt()
+    assert isinstance(flow.send((False, interrupt)), steps.Release)
+    with pytest.raises(KeyboardInterrupt):
+        flow.send(None)
 
 
 def test_passes_go_isolated_once_after_a_handler_failed():

@@ -1,19 +1,24 @@
-"""The decision logic of ``process_batch``, with no I/O: the sync and async guards only drive it.
+"""``process_batch`` as steps, with no I/O: the sync and async guards only carry them out.
 
 A batch is reduced to one claim per distinct valid key (:func:`plan_batch`), claimed in one round
-trip, judged claim by claim, and each new message handled on its own. :func:`batch_flow` says what
-to do next as *steps* — claim these requests, handle this message — and the shells in
-:mod:`idemq.guard.idempotency` carry each step out with or without ``await``::
+trip, judged claim by claim, and each new message handled on its own, with the step vocabulary of
+a single message (:mod:`idemq.guard.flow`)::
 
-    flow = batch_flow(plan, messages, isolated=…)
-    step = next(flow)                     # list[ClaimRequest]: claim them, send the claims
-    step = flow.send(claims)              # Handle: run the handler, send (ok, result-or-error)
-    …                                     # StopIteration.value: one outcome per request
+    ClaimManyIn / ClaimMany          every request of the pass, one round trip
+    per new message:
+      [OpenSavepoint]                 isolated pass only
+      RunHandler                      handler(msg, tx)
+      SaveResultIn | Complete         the result (a lease is completed, a row updated)
+      [CloseSavepoint, ReleaseIn]     isolated pass only: its writes, then its claim, undone on
+                                      failure — the message is FAILED, the others go on
+      Release                         lease mode, on failure
 
 In a transaction the batch first runs *optimistic*: no savepoints (two statements per message),
 so one raising handler fails the whole pass and :class:`BatchPasses` reruns it *isolated* — each
-message in its own savepoint, the one that raised marked FAILED without running it again. In lease
-mode every message is isolated anyway: its claim is its own record.
+message in its own savepoint, the one that raised marked FAILED without running it again. A store
+error in any step fails the whole pass, never one message: after it the transaction may be gone
+(a deadlock rolls it back whole), and carrying on would report PROCESSED for effects that never
+committed. In lease mode every message is isolated anyway: its claim is its own record.
 """
 
 from __future__ import annotations
@@ -22,19 +27,32 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from idemq.errors import InvalidInputError, PayloadMismatchError, StoreConflictError
-from idemq.guard.core import CLAIM_ATTEMPTS, Outcome, Policy, Status, judge, processed
+from idemq.errors import InvalidInputError, LeaseLostError, PayloadMismatchError
+from idemq.guard.codec import NULL_RESULT
+from idemq.guard.core import Mode, Outcome, Policy, Status, judge
+from idemq.guard.flow import (
+    ClaimMany,
+    ClaimManyIn,
+    CloseSavepoint,
+    Complete,
+    ConflictRetries,
+    HandlerRun,
+    OpenSavepoint,
+    ReleaseIn,
+    SaveResultIn,
+    Step,
+    release_noting_failure,
+    run_handler,
+)
 from idemq.stores.base import Claim, ClaimRequest
 
 __all__ = [
+    "BatchFlow",
     "BatchItem",
     "BatchPasses",
     "BatchPlan",
-    "Flow",
-    "Handle",
     "HandlerFailedError",
     "batch_flow",
-    "failed",
     "plan_batch",
 ]
 
@@ -88,7 +106,7 @@ def plan_batch(policy: Policy, messages: Sequence[BatchItem]) -> BatchPlan:
         try:
             request = policy.request(msg.id, msg.business_id, msg.body)
         except InvalidInputError as exc:
-            slots.append(Outcome(Status.FAILED, str(msg.id), error=exc))
+            slots.append(Outcome.failed(str(msg.id), exc))
             continue
         message_id = request.key.message_id
         if message_id not in seen:
@@ -104,73 +122,98 @@ def plan_batch(policy: Policy, messages: Sequence[BatchItem]) -> BatchPlan:
             # The same id twice in one batch with different bodies: the repeat is not a
             # duplicate of the first, it is a producer bug — as it would be across batches.
             error = PayloadMismatchError(message_id, first.payload_hash, request.payload_hash)
-            slots.append(Outcome(Status.FAILED, message_id, error=error))
+            slots.append(Outcome.failed(message_id, error))
             continue
         slots.append(seen[message_id])
     return BatchPlan(requests, first_index, slots)
 
 
-def failed(request: ClaimRequest, error: BaseException) -> Outcome[Any]:
-    """The outcome of one batch message whose handler (or payload check) raised."""
-    return Outcome(Status.FAILED, request.key.message_id, error=error)
-
-
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """Step: run the handler of ``message`` and keep its result (saved in the transaction, or
-    the lease completed). ``isolated``: on its own — in a transaction, inside a savepoint, its
-    claim released if the handler raises. The shell sends back ``(True, result)``, or
-    ``(False, error)`` when the handler raised — after undoing what it can (savepoint rolled back
-    and claim released, or lease released). A failing store raises instead: that fails the
-    batch, not the message."""
-
-    request: ClaimRequest
-    message: Any
-    isolated: bool
-
-
-Step = list[ClaimRequest] | Handle
-Flow = Generator[Step, Any, list[Outcome[Any]]]
+BatchFlow = Generator[Step, Any, list[Outcome[Any]]]
 
 
 def batch_flow(
+    policy: Policy,
     plan: BatchPlan,
     messages: Sequence[Any],
     *,
     isolated: bool,
     failures: dict[int, Exception] | None = None,
-) -> Flow:
+) -> BatchFlow:
     """One pass over the requests of ``plan``; returns an outcome per request, in their order.
 
     ``messages[i]`` is the message of ``plan.requests[i]``. ``failures``: requests whose handler
-    already raised in an earlier pass — FAILED as they are, neither claimed nor run. Not
-    ``isolated``: the first raising handler ends the pass with :class:`HandlerFailedError`.
+    already raised in an earlier pass — FAILED as they are, neither claimed nor run. A
+    transactional pass that is not ``isolated`` ends at the first raising handler, with
+    :class:`HandlerFailedError`.
     """
+    transactional = policy.mode is Mode.TRANSACTIONAL
+    # A lease-mode message is isolated whatever the pass: its claim is its own record.
+    isolated = isolated or not transactional
     failures = failures or {}
     to_claim = [r for i, r in enumerate(plan.requests) if i not in failures]
-    claims: list[Claim] = (yield to_claim) if to_claim else []
+    claims: list[Claim] = []
+    if to_claim:
+        claims = yield ClaimManyIn(to_claim) if transactional else ClaimMany(to_claim)
     claimed = iter(claims)
     outcomes: list[Outcome[Any]] = []
     for i, request in enumerate(plan.requests):
+        message_id = request.key.message_id
         if i in failures:
-            outcomes.append(failed(request, failures[i]))
+            outcomes.append(Outcome.failed(message_id, failures[i]))
             continue
         try:
             judged = judge(request, next(claimed))
-        except Exception as exc:  # a payload mismatch fails only this message
-            outcomes.append(failed(request, exc))
+        except PayloadMismatchError as exc:  # fails only this message
+            outcomes.append(Outcome.failed(message_id, exc))
             continue
         if judged is not None:
             outcomes.append(judged)
             continue
-        ok, value = yield Handle(request, messages[i], isolated)
-        if ok:
-            outcomes.append(processed(request, value))
-        elif isolated:
-            outcomes.append(failed(request, value))
+        if transactional:
+            run = yield from _handle_in_transaction(request, messages[i], isolated)
         else:
-            raise HandlerFailedError(i, value) from value
+            run = yield from _handle_leased(policy, request, messages[i])
+        if run.error is None:
+            outcomes.append(Outcome.processed(message_id, run.result))
+        elif not isinstance(run.error, Exception):
+            raise run.error  # KeyboardInterrupt, cancellation: the batch stops here
+        elif isolated:
+            outcomes.append(Outcome.failed(message_id, run.error))
+        else:
+            raise HandlerFailedError(i, run.error) from run.error
     return outcomes
+
+
+def _handle_in_transaction(
+    request: ClaimRequest, message: Any, isolated: bool
+) -> Generator[Step, Any, HandlerRun]:
+    savepoint = (yield OpenSavepoint()) if isolated else None
+    run = yield from run_handler(message, None)
+    if run.error is None and run.encoded != NULL_RESULT:
+        yield SaveResultIn(request.key, run.encoded)
+    if isolated:
+        yield CloseSavepoint(savepoint, commit=run.error is None)
+        if run.error is not None:
+            # Its dedup row was written with the batch's claims: undo it too, so that the
+            # message can be retried rather than answered DUPLICATE with no effect.
+            yield ReleaseIn(request.key, request.owner)
+    return run
+
+
+def _handle_leased(
+    policy: Policy, request: ClaimRequest, message: Any
+) -> Generator[Step, Any, HandlerRun]:
+    run = yield from run_handler(message, None)
+    if run.error is not None:
+        yield from release_noting_failure(request, run.error)
+        return run
+    try:
+        yield Complete(request.key, request.owner, run.encoded, policy.clock())
+    except LeaseLostError as exc:
+        # Another worker took this message over while its handler ran: it is that worker's
+        # now. The rest of the batch stands; this delivery is retried and meets its record.
+        return HandlerRun(error=exc)
+    return run
 
 
 class HandlerFailedError(Exception):
@@ -182,32 +225,24 @@ class HandlerFailedError(Exception):
         self.error = error
 
 
-class BatchPasses:
-    """When a transactional batch runs again, and how; the shells only call and catch::
-
-        passes = BatchPasses(owns_transaction=connection is None)
-        while True:
-            try:
-                return run_pass(passes.isolated, passes.failures)
-            except (HandlerFailedError, StoreConflictError) as exc:
-                if not passes.again(exc):
-                    raise
+class BatchPasses(ConflictRetries):
+    """When a transactional batch runs again, and how (see :class:`ConflictRetries` for the
+    shells' loop, which catches :class:`HandlerFailedError` too).
 
     A handler that raised in the optimistic pass makes the next pass isolated (the whole
     transaction rolled back, so the others' writes are redone, once). A deadlock rolled the
-    whole pass back: it runs again, up to :data:`CLAIM_ATTEMPTS` times, when idemq owns the
-    transaction — inside the caller's, the caller has to retry.
+    whole pass back: it runs again as a conflict, when idemq owns the transaction.
     """
 
-    __slots__ = ("_conflicts", "_owns_transaction", "failures")
+    __slots__ = ("failures",)
 
     def __init__(self, *, owns_transaction: bool) -> None:
-        self._owns_transaction = owns_transaction
-        self._conflicts = 0
+        super().__init__(owns_transaction=owns_transaction)
         self.failures: dict[int, Exception] | None = None
 
     @property
     def isolated(self) -> bool:
+        """Whether the next pass runs each message in its own savepoint."""
         return self.failures is not None
 
     def again(self, exc: Exception) -> bool:
@@ -216,7 +251,4 @@ class BatchPasses:
             self.failures = {exc.index: exc.error}
             self._conflicts = 0
             return True
-        if isinstance(exc, StoreConflictError) and self._owns_transaction:
-            self._conflicts += 1
-            return self._conflicts < CLAIM_ATTEMPTS
-        return False
+        return super().again(exc)

@@ -1,17 +1,16 @@
-"""The decision logic of the guard — claim → handle → complete/release — with no I/O.
+"""What a message is to the guard, and what a claim means for it — with no I/O.
 
-The sync and async shells in :mod:`idemq.guard.idempotency` only sequence store calls; every
-rule lives here once: what a valid message id is, what a claim request holds, and what an
-existing record means for the message at hand.
+Every rule of the guard lives here once, for the sync and the async shell and for single
+messages and batches alike: what a valid message id is, what a claim request holds, and what
+an existing record means for the message at hand (:func:`judge`). The steps that carry a
+message through the store are in :mod:`idemq.guard.flow` and :mod:`idemq.guard.batch_flow`.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
-import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from idemq._clock import Clock, system_clock_ms
@@ -25,26 +24,23 @@ from idemq.guard.codec import decode_result, hash_payload
 from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
 
 __all__ = [
-    "MAX_BUSINESS_ID_CHARS",
     "CLAIM_ATTEMPTS",
+    "MAX_BUSINESS_ID_CHARS",
     "MAX_MESSAGE_ID_CHARS",
-    "Clock",
     "Mode",
     "Outcome",
     "Policy",
     "Status",
-    "decode_result",
-    "hash_payload",
     "judge",
-    "processed",
-    "system_clock_ms",
     "validate_business_id",
     "validate_message_id",
 ]
 
 MAX_MESSAGE_ID_CHARS = 128
 MAX_BUSINESS_ID_CHARS = 64
-CLAIM_ATTEMPTS = 5  # runs of a claim that hit a deadlock; nothing was written before it
+CLAIM_ATTEMPTS = 5
+"""How often idemq runs a transaction of its own again after a deadlock or serialization failure
+(the server rolled it back whole, so nothing of it was committed and a rerun is clean)."""
 
 T = TypeVar("T")
 
@@ -67,13 +63,28 @@ class Mode(enum.StrEnum):
 
 @dataclass(slots=True)
 class Outcome(Generic[T]):
-    """The result of guarding one message (not frozen: see :class:`~idemq.Record`)."""
+    """The result of guarding one message: what happened, and what the handler returned.
+
+    ``result`` is the handler's return value now, or the one stored by the first delivery for a
+    DUPLICATE. ``record`` is the stored record that a lost claim met (DUPLICATE, IN_PROGRESS);
+    ``error`` what a batch message's handler raised (FAILED, ``process_batch`` only).
+    """
 
     status: Status
     message_id: str
     result: T | None = None
-    record: Record | None = None  # the stored record, for DUPLICATE and IN_PROGRESS
-    error: BaseException | None = None  # for FAILED (batch only)
+    record: Record | None = None
+    error: BaseException | None = None
+
+    @classmethod
+    def processed(cls, message_id: str, result: T) -> Outcome[T]:
+        """The handler ran now and its effect committed (or its lease was completed)."""
+        return cls(Status.PROCESSED, message_id, result)
+
+    @classmethod
+    def failed(cls, message_id: str, error: BaseException) -> Outcome[Any]:
+        """A batch message whose handler, payload check or id failed; the others went on."""
+        return cls(Status.FAILED, message_id, error=error)
 
     @property
     def should_ack(self) -> bool:
@@ -121,29 +132,13 @@ def validate_business_id(business_id: object) -> str | None:
     return business_id
 
 
-class _OwnerTokens:
-    """Claim-owner tokens: 16 random hex digits per process, then a 64-bit count in hex.
+def new_owner_token() -> str:
+    """A claim's owner token: 32 random hex digits (the ``owner`` column's width).
 
-    A token must differ from every other claim's, so that a worker whose lease was taken over can
-    never complete or release the new owner's claim; it need not be secret. Drawing 16 random
-    bytes per claim cost more than the rest of building the request. The prefix is drawn again
-    in a forked child, which would otherwise repeat its parent's tokens. 32 characters: the
-    ``owner`` column's width.
+    Every claim gets its own, so a worker whose lease was taken over can never complete or
+    release the new owner's claim: the store compares tokens, not workers.
     """
-
-    def __init__(self) -> None:
-        self.reseed()
-
-    def reseed(self) -> None:
-        self._prefix = secrets.token_hex(8)
-        self._count = itertools.count(1)  # next() on it is atomic: threads never share a token
-
-    def __call__(self) -> str:
-        return f"{self._prefix}{next(self._count):016x}"
-
-
-new_owner_token = _OwnerTokens()
-os.register_at_fork(after_in_child=new_owner_token.reseed)
+    return secrets.token_hex(16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,11 +149,6 @@ class Policy:
     mode: Mode
     lease_ms: int
     clock: Clock
-    # lease_ms in lease mode; a transactional claim holds no lease. Derived once, read per claim.
-    claim_lease_ms: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "claim_lease_ms", self.lease_ms if self.mode is Mode.LEASE else 0)
 
     @classmethod
     def build(cls, *, consumer: object, mode: str, lease_s: float, clock: Clock | None) -> Policy:
@@ -178,14 +168,14 @@ class Policy:
         self, message_id: object, business_id: object = None, payload: object = None
     ) -> ClaimRequest:
         """Validate and hash everything up front: an invalid message writes nothing."""
-        # Positional: this runs once per message, and keywords cost a third more here.
         return ClaimRequest(
-            Key(self.consumer, validate_message_id(message_id)),
-            validate_business_id(business_id),
-            hash_payload(payload),
-            new_owner_token(),
-            self.clock(),
-            self.claim_lease_ms,
+            key=Key(self.consumer, validate_message_id(message_id)),
+            business_id=validate_business_id(business_id),
+            payload_hash=hash_payload(payload),
+            owner=new_owner_token(),
+            now_ms=self.clock(),
+            # A transactional claim holds no lease: its row commits with the effect or not at all.
+            lease_ms=self.lease_ms if self.mode is Mode.LEASE else 0,
         )
 
 
@@ -212,8 +202,3 @@ def judge(request: ClaimRequest, claim: Claim) -> Outcome[Any] | None:
     if record.status is RecordStatus.PROCESSED:
         return Outcome(Status.DUPLICATE, message_id, decode_result(record.result), record)
     return Outcome(Status.IN_PROGRESS, message_id, None, record)
-
-
-def processed(request: ClaimRequest, result: T) -> Outcome[T]:
-    """The outcome of a handler that ran and committed now."""
-    return Outcome(Status.PROCESSED, request.key.message_id, result)

@@ -1,6 +1,6 @@
 """The guard's hooks: what an observer is told about each message, and how the shells tell it.
 
-The shells in :mod:`idemq.guard` hold ``observer=None`` by default and check it once per
+The guards hold ``observer=None`` by default and check it once per
 message; only when an observer is set do they ask it for a :class:`Probe` and report each stage
 to it::
 
@@ -19,9 +19,8 @@ to make the handler's span current while it runs).
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
 
 from idemq.guard.core import Outcome, Status
@@ -160,41 +159,6 @@ def claim_status(claim: Claim) -> Status | None:
     if record is not None and record.status is RecordStatus.PROCESSED:
         return Status.DUPLICATE
     return Status.IN_PROGRESS
-
-
-def watch_handler(probe: Probe, handler: Callable[[Any], T]) -> Callable[[Any], T]:
-    """``handler`` reporting its start and end (and error) to ``probe``."""
-
-    def watched(tx: Any) -> T:
-        probe.handler_started()
-        try:
-            result = handler(tx)
-        except BaseException as exc:
-            probe.handler_done(exc)
-            raise
-        probe.handler_done(None)
-        return result
-
-    return watched
-
-
-def awatch_handler(
-    probe: Probe, handler: Callable[[Any], Awaitable[T] | T]
-) -> Callable[[Any], Awaitable[T]]:
-    """Async twin of :func:`watch_handler`: the probe sees the awaited handler's whole run."""
-
-    async def watched(tx: Any) -> T:
-        probe.handler_started()
-        try:
-            value = handler(tx)
-            result: T = await value if inspect.isawaitable(value) else value
-        except BaseException as exc:
-            probe.handler_done(exc)
-            raise
-        probe.handler_done(None)
-        return result
-
-    return watched
 
 
 def report_batch(observer: Observer, consumer: str, outcomes: Sequence[Outcome[Any]]) -> None:

@@ -212,7 +212,12 @@ class TransactionalStore(Store, Protocol):
     def release_in(self, tx: Any, key: Key, owner: str) -> None:
         """Delete a claim made by ``claim_many_in`` whose handler failed (batch savepoints)."""
 
-    def savepoint(self, tx: Any) -> AbstractContextManager[Any]: ...
+    def begin_savepoint(self, tx: Any) -> Any:
+        """A savepoint inside ``tx``, for one batch message's writes."""
+
+    def end_savepoint(self, savepoint: Any, *, commit: bool) -> None:
+        """Release ``savepoint`` (``commit``) or roll back to it; raises if the transaction is
+        gone."""
 
 
 @runtime_checkable
@@ -258,4 +263,6 @@ class AsyncTransactionalStore(AsyncStore, Protocol):
 
     async def release_in(self, tx: Any, key: Key, owner: str) -> None: ...
 
-    def savepoint(self, tx: Any) -> AbstractAsyncContextManager[Any]: ...
+    async def begin_savepoint(self, tx: Any) -> Any: ...
+
+    async def end_savepoint(self, savepoint: Any, *, commit: bool) -> None: ...

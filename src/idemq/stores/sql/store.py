@@ -180,20 +180,26 @@ class SqlStore(SqlStoreBase):
                 f"connection must be an SQLAlchemy Connection or Session, got {type(connection)}"
             )
 
-    @contextmanager
-    def savepoint(self, tx: Connection) -> Iterator[Connection]:
-        """A SAVEPOINT inside ``tx`` (one batch message's writes)."""
+    def begin_savepoint(self, tx: Connection) -> Any:
+        """A SAVEPOINT inside ``tx`` for one batch message's writes; end it with
+        :meth:`end_savepoint`."""
         with translate_errors("savepoint", self.where):
-            nested = tx.begin_nested()
-        try:
-            yield tx
-        except BaseException:
-            with translate_errors("rollback to savepoint", self.where):
-                nested.rollback()
-            raise
-        else:
-            with translate_errors("release savepoint", self.where):
-                nested.commit()
+            return tx.begin_nested()
+
+    def end_savepoint(self, savepoint: Any, *, commit: bool) -> None:
+        """Release ``savepoint`` (``commit``) or roll its writes back.
+
+        A rollback that fails means the transaction itself is gone (InnoDB rolls a whole
+        transaction back on a deadlock, taking its savepoints with it): the error goes on, so
+        the batch fails whole instead of carrying on in a transaction that no longer exists.
+        """
+        with translate_errors(
+            "release savepoint" if commit else "rollback to savepoint", self.where
+        ):
+            if commit:
+                savepoint.commit()
+            else:
+                savepoint.rollback()
 
     # -- transactional primitives ------------------------------------------------------------
 

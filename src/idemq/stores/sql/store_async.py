@@ -137,19 +137,20 @@ class AsyncSqlStore(SqlStoreBase):
             for idle in self._idle.drain():
                 await idle.close()
 
-    @asynccontextmanager
-    async def savepoint(self, tx: AsyncConnection) -> AsyncIterator[AsyncConnection]:
+    async def begin_savepoint(self, tx: AsyncConnection) -> Any:
+        """See :meth:`SqlStore.begin_savepoint`."""
         with translate_errors("savepoint", self.where):
-            nested = await tx.begin_nested()
-        try:
-            yield tx
-        except BaseException:
-            with translate_errors("rollback to savepoint", self.where):
-                await nested.rollback()
-            raise
-        else:
-            with translate_errors("release savepoint", self.where):
-                await nested.commit()
+            return await tx.begin_nested()
+
+    async def end_savepoint(self, savepoint: Any, *, commit: bool) -> None:
+        """See :meth:`SqlStore.end_savepoint`."""
+        with translate_errors(
+            "release savepoint" if commit else "rollback to savepoint", self.where
+        ):
+            if commit:
+                await savepoint.commit()
+            else:
+                await savepoint.rollback()
 
     async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
         return await self._exec(tx, "claim", request, True, what="claim")  # type: ignore[no-any-return]

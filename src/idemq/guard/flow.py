@@ -1,0 +1,289 @@
+"""One message through the guard, as steps: claim, judge, handle, then save and commit, complete,
+or release. No I/O happens here; the sync and async shells carry each step out.
+
+Transactional mode — the shell opens the transaction and runs the flow inside it::
+
+    ClaimIn        INSERT the dedup row as PROCESSED; a concurrent twin waits on its row lock
+    (judge)        an existing row → DUPLICATE (result replayed) or IN_PROGRESS, nothing written
+    RunHandler     handler(tx): the business writes, through the same connection
+    SaveResultIn   only for a result other than None (the row was written with ``null``)
+    —              the shell commits: dedup row and effect become visible together, or neither
+
+Lease mode (any store)::
+
+    Claim          PROCESSING with owner token and lease expiry (or take over an expired lease)
+    (judge)
+    RunHandler     handler(None)
+    Complete       PROCESSED with its result; refused (LeaseLostError) if the lease was taken over
+    Release        instead, when the handler raised: the message can be retried at once
+
+Each step names the store primitive it stands for and calls it (:meth:`StoreStep.call`): for
+a sync store the call returns the answer, for an async store an awaitable of it, so one step
+type serves both shells. The handler is the one step a shell runs itself
+(:class:`RunHandler`), because only the shell knows whether to await it; its outcome comes back
+as data — ``(True, result)`` or ``(False, exception)`` — so the flow, not the shell, decides
+what a failure means (release the lease, roll the batch back, mark one message FAILED).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from idemq.errors import ResultNotSerializableError, StoreConflictError
+from idemq.guard.codec import NULL_RESULT, encode_result
+from idemq.guard.core import CLAIM_ATTEMPTS, Mode, Outcome, Policy, judge
+from idemq.guard.probes import Probe, claim_status
+from idemq.stores.base import ClaimRequest, Key
+
+__all__ = [
+    "Claim",
+    "ClaimIn",
+    "ClaimMany",
+    "ClaimManyIn",
+    "CloseSavepoint",
+    "Complete",
+    "ConflictRetries",
+    "Flow",
+    "HandlerRun",
+    "OpenSavepoint",
+    "Release",
+    "ReleaseIn",
+    "RunHandler",
+    "SaveResultIn",
+    "Step",
+    "StoreStep",
+    "message_flow",
+    "release_noting_failure",
+    "run_handler",
+]
+
+
+class StoreStep:
+    """A step that is one call of a store primitive; ``tx`` is the open transaction or None."""
+
+    __slots__ = ()
+
+    def call(self, store: Any, tx: Any) -> Any:
+        """Call the primitive on ``store`` (returns an awaitable for an async store)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Claim(StoreStep):
+    """Lease mode: claim one message. Reply: :class:`~idemq.stores.base.Claim`."""
+
+    request: ClaimRequest
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.claim(self.request)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimMany(StoreStep):
+    """Lease mode: claim a batch in one round trip. Reply: a claim per request, in order."""
+
+    requests: Sequence[ClaimRequest]
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.claim_many(self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Complete(StoreStep):
+    """Lease mode: PROCESSING → PROCESSED with ``result``; raises LeaseLostError if lost."""
+
+    key: Key
+    owner: str
+    result: str
+    now_ms: int
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.complete(self.key, self.owner, self.result, self.now_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Release(StoreStep):
+    """Lease mode: delete the owner's PROCESSING record so the message can run again."""
+
+    key: Key
+    owner: str
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.release(self.key, self.owner)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimIn(StoreStep):
+    """Transactional: insert the dedup row inside ``tx``. Reply: a claim."""
+
+    request: ClaimRequest
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.claim_in(tx, self.request)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimManyIn(StoreStep):
+    """Transactional: insert a batch's dedup rows inside ``tx``. Reply: a claim per request."""
+
+    requests: Sequence[ClaimRequest]
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.claim_many_in(tx, self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResultIn(StoreStep):
+    """Transactional: store the handler's result on its dedup row, inside ``tx``."""
+
+    key: Key
+    result: str
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.save_result_in(tx, self.key, self.result)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseIn(StoreStep):
+    """Transactional batch: delete the dedup row of a message whose handler failed."""
+
+    key: Key
+    owner: str
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.release_in(tx, self.key, self.owner)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSavepoint(StoreStep):
+    """Transactional batch: a SAVEPOINT for one message's writes. Reply: the savepoint."""
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.begin_savepoint(tx)
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSavepoint(StoreStep):
+    """Release the savepoint (``commit``) or roll the message's writes back to it."""
+
+    savepoint: Any
+    commit: bool
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.end_savepoint(self.savepoint, commit=self.commit)
+
+
+@dataclass(frozen=True, slots=True)
+class RunHandler:
+    """Run the handler for ``message`` (None for :meth:`~idemq.Idempotency.process`).
+
+    The shell replies ``(True, result)``, or ``(False, exception)`` when the handler raised —
+    anything at all, ``KeyboardInterrupt`` and task cancellation included, so that the flow can
+    still release a lease or undo a batch message's claim before the error goes on.
+    """
+
+    message: Any
+
+
+Step: TypeAlias = StoreStep | RunHandler
+Flow: TypeAlias = Generator[Step, Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerRun:
+    """What one run of the handler gave: its result and the result's stored form, or an error."""
+
+    result: Any = None
+    encoded: str = NULL_RESULT
+    error: BaseException | None = None
+
+
+def run_handler(message: Any, probe: Probe | None) -> Generator[Step, Any, HandlerRun]:
+    """The handler step, reported to ``probe``.
+
+    A result that cannot be stored counts as the handler's failure, found before anything is
+    written: a message must never be answered PROCESSED with a result no duplicate can replay.
+    """
+    if probe is not None:
+        probe.handler_started()
+    ok, value = yield RunHandler(message)
+    if probe is not None:
+        probe.handler_done(None if ok else value)
+    if not ok:
+        return HandlerRun(error=value)
+    try:
+        return HandlerRun(value, encode_result(value))
+    except ResultNotSerializableError as exc:
+        return HandlerRun(error=exc)
+
+
+def release_noting_failure(request: ClaimRequest, cause: BaseException) -> Flow:
+    """Release the lease of a handler that raised ``cause``; a failed release is noted on it.
+
+    The lease expires by itself anyway, so the handler's error is the one to surface.
+    """
+    try:
+        yield Release(request.key, request.owner)
+    except Exception as exc:
+        cause.add_note(f"idemq: releasing the claim failed too ({exc!r}); it will expire")
+
+
+def message_flow(policy: Policy, request: ClaimRequest, probe: Probe | None) -> Flow:
+    """One message, in the guard's mode; returns its :class:`Outcome` or raises.
+
+    In transactional mode the shell runs this inside the transaction it opened: a handler error
+    raised from here rolls the dedup row back with the effect, and a DUPLICATE or IN_PROGRESS
+    returned from here commits nothing but a lock that is released.
+    """
+    transactional = policy.mode is Mode.TRANSACTIONAL
+    claim = yield ClaimIn(request) if transactional else Claim(request)
+    if probe is not None:
+        probe.claimed(claim_status(claim))
+    judged = judge(request, claim)
+    if judged is not None:
+        return judged
+    run = yield from run_handler(None, probe)
+    if run.error is not None:
+        if not transactional:
+            yield from release_noting_failure(request, run.error)
+        raise run.error
+    if not transactional:
+        yield Complete(request.key, request.owner, run.encoded, policy.clock())
+    elif run.encoded != NULL_RESULT:
+        yield SaveResultIn(request.key, run.encoded)
+    return Outcome.processed(request.key.message_id, run.result)
+
+
+class ConflictRetries:
+    """When a transaction that hit a deadlock runs again; the shells only call and catch::
+
+        retries = ConflictRetries(owns_transaction=connection is None)
+        while True:
+            try:
+                with store.transaction(connection) as tx:
+                    return drive(flow, execute_in(tx))
+            except StoreConflictError as exc:
+                if not retries.again(exc):
+                    raise
+
+    A deadlock (or serialization failure, or lock timeout) means the server rolled the whole
+    transaction back: nothing of it is left, so idemq runs it again, up to
+    :data:`~idemq.guard.core.CLAIM_ATTEMPTS` times — but only a transaction idemq opened.
+    Inside the caller's transaction the caller's earlier work is gone too, and only the caller
+    can redo it: the error goes to the caller.
+    """
+
+    __slots__ = ("_conflicts", "owns_transaction")
+
+    def __init__(self, *, owns_transaction: bool) -> None:
+        self.owns_transaction = owns_transaction
+        self._conflicts = 0
+
+    def again(self, exc: Exception) -> bool:
+        """Whether the transaction that raised ``exc`` runs again (False: let ``exc`` go on)."""
+        if isinstance(exc, StoreConflictError) and self.owns_transaction:
+            self._conflicts += 1
+            return self._conflicts < CLAIM_ATTEMPTS
+        return False
