@@ -24,7 +24,7 @@ from idemq.worker.batch import BatchSettings, collect
 from idemq.worker.loop import Worker
 from idemq.worker.run import open_guard
 from tests.conftest import require_service, unique
-from tests.integration.brokers.contract import FAST, Business, Running, wait_for
+from tests.contract.brokers import FAST, Business, Running, wait_for
 
 BROKER_URLS = {
     "rabbitmq": "amqp://guest:guest@127.0.0.1:5672/",

@@ -19,8 +19,7 @@ from idemq.message import Message
 from idemq.worker.loop import Worker
 from idemq.worker.run import open_guard
 from tests.conftest import unique
-
-from .contract import FAST, SRC, BrokerContract, Business, Running, wait_for
+from tests.contract.brokers import FAST, SRC, BrokerContract, Business, Running, wait_for
 
 
 class TestEmbedded(BrokerContract):

@@ -15,8 +15,7 @@ from idemq.brokers.base import Delivery
 from idemq.brokers.kafka import KafkaBroker
 from idemq.errors import ConfigurationError
 from tests.conftest import CI, port_open, unique
-
-from .contract import BrokerContract
+from tests.contract.brokers import BrokerContract
 
 pytestmark = pytest.mark.kafka
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import require_service
-
-from .contract import BrokerContract
+from tests.contract.brokers import BrokerContract
 
 pytestmark = pytest.mark.mqtt
 

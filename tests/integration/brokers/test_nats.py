@@ -9,8 +9,7 @@ import pytest
 
 from idemq.brokers.base import Delivery
 from tests.conftest import require_service
-
-from .queued_acks import QueuedAckContract
+from tests.contract.brokers_queued_acks import QueuedAckContract
 
 pytestmark = pytest.mark.nats
 

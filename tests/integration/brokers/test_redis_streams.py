@@ -9,9 +9,8 @@ import pytest
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.brokers.redis_streams import RedisStreamsBroker
-
-from .contract import BrokerContract
-from .queued_acks import publish_ids, take
+from tests.contract.brokers import BrokerContract
+from tests.contract.brokers_queued_acks import publish_ids, take
 
 pytestmark = pytest.mark.redis
 

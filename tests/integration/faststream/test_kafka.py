@@ -19,8 +19,7 @@ from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 
 from tests.conftest import CI, port_open
-
-from .contract import Apply, FastStreamContract, as_handler, id_headers
+from tests.contract.faststream import Apply, FastStreamContract, as_handler, id_headers
 
 HOST, PORT = "127.0.0.1", 19093  # 19092 belongs to the broker-adapter tests
 BOOTSTRAP = f"{HOST}:{PORT}"

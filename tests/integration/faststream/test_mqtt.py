@@ -20,7 +20,7 @@ except ImportError as exc:  # faststream[mqtt] needs zmqtt, which this virtualen
         raise
     pytest.skip(f"faststream.mqtt is unusable: {str(exc).strip()}", allow_module_level=True)
 
-from .contract import Apply, FastStreamContract, as_handler, id_headers
+from tests.contract.faststream import Apply, FastStreamContract, as_handler, id_headers
 
 URL = "mqtt://127.0.0.1:1883"
 

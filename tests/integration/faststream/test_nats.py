@@ -11,8 +11,15 @@ import pytest
 from faststream.nats import JStream, NatsBroker, PullSub
 
 from tests.conftest import require_service
-
-from .contract import Apply, Db, Deliveries, FastStreamContract, as_handler, id_headers, wait_until
+from tests.contract.faststream import (
+    Apply,
+    Db,
+    Deliveries,
+    FastStreamContract,
+    as_handler,
+    id_headers,
+    wait_until,
+)
 
 URL = "nats://127.0.0.1:4222"
 

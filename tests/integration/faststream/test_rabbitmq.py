@@ -12,8 +12,7 @@ from faststream.rabbit import RabbitBroker, RabbitQueue, TestRabbitBroker
 from idemq import AsyncIdempotency, AsyncSqlStore, ConfigurationError
 from idemq.integrations.faststream import IdempotencyMiddleware
 from tests.conftest import require_service, unique
-
-from .contract import Apply, FastStreamContract, as_handler
+from tests.contract.faststream import Apply, FastStreamContract, as_handler
 
 URL = "amqp://guest:guest@127.0.0.1:5672/"
 

@@ -9,8 +9,7 @@ import redis.asyncio as aioredis
 from faststream.redis import RedisBroker, StreamSub
 
 from tests.conftest import require_service
-
-from .contract import Apply, FastStreamContract, as_handler, id_headers
+from tests.contract.faststream import Apply, FastStreamContract, as_handler, id_headers
 
 URL = "redis://127.0.0.1:6379/0"
 RECLAIM_IDLE_MS = 300

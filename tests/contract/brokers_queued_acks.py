@@ -21,8 +21,7 @@ from idemq.brokers.settlement import Verdict
 from idemq.message import Message
 from idemq.worker.loop import Worker
 from tests.conftest import unique
-
-from .contract import FAST, SRC, BrokerContract, Business, Running, wait_for
+from tests.contract.brokers import FAST, SRC, BrokerContract, Business, Running, wait_for
 
 
 def freeze_loop(broker: Any, seconds: float) -> None:

@@ -29,12 +29,10 @@ from idemq.brokers.settlement import RetryPolicy, Verdict
 from idemq.message import Message
 from idemq.worker.loop import Worker
 from idemq.worker.run import open_guard
-from tests.conftest import require_service, unique
+from tests.conftest import PG_URL, require_service, unique
+from tests.contract._proxy import CuttableProxy
 
-from ._proxy import CuttableProxy
-
-SRC = str(Path(__file__).resolve().parents[3] / "src")
-PG_URL = os.environ.get("IDEMQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 FAST = RetryPolicy(
     max_attempts=3,
     backoff_base_s=0.05,
