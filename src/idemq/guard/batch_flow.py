@@ -188,7 +188,7 @@ def _handle_in_transaction(
     request: ClaimRequest, message: Any, isolated: bool
 ) -> Generator[Step, Any, HandlerRun]:
     savepoint = (yield OpenSavepoint()) if isolated else None
-    run = yield from run_handler(message, None)
+    run = yield from run_handler(request, message, None)
     if run.error is None and run.encoded != NULL_RESULT:
         yield SaveResultIn(request.key, run.encoded)
     if isolated:
@@ -203,7 +203,7 @@ def _handle_in_transaction(
 def _handle_leased(
     policy: Policy, request: ClaimRequest, message: Any
 ) -> Generator[Step, Any, HandlerRun]:
-    run = yield from run_handler(message, None)
+    run = yield from run_handler(request, message, None)
     if run.error is not None:
         yield from release_noting_failure(request, run.error)
         return run

@@ -33,6 +33,7 @@ from typing import Any, TypeAlias
 
 from idemq.errors import ResultNotSerializableError, StoreConflictError
 from idemq.guard.codec import NULL_RESULT, encode_result
+from idemq.guard.context import HandlerContext
 from idemq.guard.core import CLAIM_ATTEMPTS, Mode, Outcome, Policy, judge
 from idemq.guard.probes import Probe, claim_status
 from idemq.stores.base import ClaimRequest, Key
@@ -177,7 +178,8 @@ class CloseSavepoint(StoreStep):
 
 @dataclass(frozen=True, slots=True)
 class RunHandler:
-    """Run the handler for ``message`` (None for :meth:`~idemq.Idempotency.process`).
+    """Run the handler for ``message`` (None for :meth:`~idemq.Idempotency.process`), with
+    ``context`` current (:func:`idemq.guard.context.current_message`) while it runs.
 
     The shell replies ``(True, result)``, or ``(False, exception)`` when the handler raised —
     anything at all, ``KeyboardInterrupt`` and task cancellation included, so that the flow can
@@ -185,6 +187,7 @@ class RunHandler:
     """
 
     message: Any
+    context: HandlerContext
 
 
 Step: TypeAlias = StoreStep | RunHandler
@@ -200,7 +203,9 @@ class HandlerRun:
     error: BaseException | None = None
 
 
-def run_handler(message: Any, probe: Probe | None) -> Generator[Step, Any, HandlerRun]:
+def run_handler(
+    request: ClaimRequest, message: Any, probe: Probe | None
+) -> Generator[Step, Any, HandlerRun]:
     """The handler step, reported to ``probe``.
 
     A result that cannot be stored counts as the handler's failure, found before anything is
@@ -208,7 +213,10 @@ def run_handler(message: Any, probe: Probe | None) -> Generator[Step, Any, Handl
     """
     if probe is not None:
         probe.handler_started()
-    ok, value = yield RunHandler(message)
+    key = request.key
+    ok, value = yield RunHandler(
+        message, HandlerContext(key.consumer, key.message_id, request.owner)
+    )
     if probe is not None:
         probe.handler_done(None if ok else value)
     if not ok:
@@ -244,7 +252,7 @@ def message_flow(policy: Policy, request: ClaimRequest, probe: Probe | None) -> 
     judged = judge(request, claim)
     if judged is not None:
         return judged
-    run = yield from run_handler(None, probe)
+    run = yield from run_handler(request, None, probe)
     if run.error is not None:
         if not transactional:
             yield from release_noting_failure(request, run.error)

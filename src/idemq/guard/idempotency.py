@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 
 from idemq._plan import drive
 from idemq.errors import StoreConflictError
+from idemq.guard import context
 from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
@@ -135,8 +136,11 @@ class Idempotency(GuardBase[Store]):
     def _execute(self, tx: Any, handler: Callable[[Any, Any], Any], step: Step) -> Any:
         """Carry out one step: a store primitive, or the handler (its outcome as data)."""
         if isinstance(step, RunHandler):
+            token = context.enter(step.context)
             try:
                 return True, handler(step.message, tx)
             except BaseException as exc:  # the flow decides; it re-raises what must go on
                 return False, exc
+            finally:
+                context.leave(token)
         return step.call(self.store, tx)

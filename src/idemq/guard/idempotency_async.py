@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 
 from idemq._plan import adrive
 from idemq.errors import StoreConflictError
+from idemq.guard import context
 from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
@@ -113,9 +114,12 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
     async def _execute(self, tx: Any, handler: Callable[[Any, Any], Any], step: Step) -> Any:
         """See :meth:`Idempotency._execute`; a plain function's result is not awaited."""
         if isinstance(step, RunHandler):
+            token = context.enter(step.context)
             try:
                 result = handler(step.message, tx)
                 return True, (await result) if inspect.isawaitable(result) else result
             except BaseException as exc:  # the flow decides; it re-raises what must go on
                 return False, exc
+            finally:
+                context.leave(token)
         return await step.call(self.store, tx)

@@ -1,0 +1,55 @@
+"""What a handler can know about the message it is running for, without being passed it.
+
+While a guard runs a handler, :func:`current_message` returns the :class:`HandlerContext` of that
+run: the consumer, the message id and the claim's owner token. Code deep inside the handler — an
+outbox ``add``, a call to another service that should carry the message id on — reads it from
+here instead of threading it through every signature. Outside a guarded handler it is ``None``.
+
+It lives in a :class:`contextvars.ContextVar`, so each thread and each asyncio task sees its own:
+two handlers running side by side never see each other's message.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
+
+__all__ = ["HandlerContext", "current_message", "enter", "leave"]
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerContext:
+    """One run of a handler for one message.
+
+    ``next_index()`` numbers things the handler makes (outgoing messages, say) 0, 1, 2 … in the
+    order it makes them. A run that is rolled back and runs again (a redelivery, a batch's
+    isolated pass) starts again from 0, so what it derives from the numbers comes out the same.
+    """
+
+    consumer: str
+    message_id: str
+    owner: str
+    _counter: itertools.count[int] = field(default_factory=itertools.count, repr=False)
+
+    def next_index(self) -> int:
+        """The next number of this run (0 for the first call)."""
+        return next(self._counter)
+
+
+_CURRENT: ContextVar[HandlerContext | None] = ContextVar("idemq_handler_context", default=None)
+
+
+def current_message() -> HandlerContext | None:
+    """The message whose handler is running in this thread or task, or ``None``."""
+    return _CURRENT.get()
+
+
+def enter(context: HandlerContext) -> Token[HandlerContext | None]:
+    """Make ``context`` current (the guard's shells call this around a handler)."""
+    return _CURRENT.set(context)
+
+
+def leave(token: Token[HandlerContext | None]) -> None:
+    """Undo :func:`enter`."""
+    _CURRENT.reset(token)
