@@ -4,6 +4,7 @@ AsyncRedisStore and AsyncIdempotency, on real services."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 import idemq
+from idemq.guard.codec import DataclassCodec
 from idemq.stores.base import ClaimRequest, Key
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, redis_cleanup, require_service, unique
 from tests.contract.conftest import FakeClock
@@ -150,3 +152,37 @@ async def test_async_batch_and_invalid_ids(async_store):
         [idemq.Message(id=i, body=b"fixed") for i in ("bad", "worse")], handle
     )
     assert [o.result for o in retried] == ["bad", "worse"]
+
+
+async def test_async_options_typed_result_waiting_duplicate_and_cache(async_store):
+    consumer = unique("c")
+    options: dict[str, Any] = {"consumer": consumer, "mode": "lease", "codec": DataclassCodec(Paid)}
+    holder = idemq.AsyncIdempotency(async_store, **options)
+    waiter = idemq.AsyncIdempotency(async_store, wait_s=10, local_cache=10, **options)
+    started, release = asyncio.Event(), asyncio.Event()
+    runs: list[str] = []
+
+    async def slow(_tx: Any) -> Paid:
+        runs.append("holder")
+        started.set()
+        await release.wait()
+        return Paid("o1", 10)
+
+    first = asyncio.create_task(holder.process("M1", slow))
+    await started.wait()
+    asyncio.get_running_loop().call_later(0.2, release.set)
+    duplicate = await waiter.process("M1", lambda _tx: runs.append("waiter"))
+    assert (await first).result == Paid("o1", 10)
+    assert duplicate.status is idemq.Status.DUPLICATE
+    assert duplicate.result == Paid("o1", 10)  # replayed as the dataclass
+    again = await waiter.process("M1", lambda _tx: runs.append("waiter"))
+    assert again.result == Paid("o1", 10)
+    assert waiter.cache is not None
+    assert len(waiter.cache) == 1
+    assert runs == ["holder"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Paid:
+    order_id: str
+    cents: int

@@ -12,10 +12,12 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 from idemq._clock import Clock
 from idemq.errors import ConfigurationError, InvalidMessageIdError
 from idemq.guard.batch_flow import BatchFlow, BatchPasses, BatchPlan, batch_flow, plan_batch
-from idemq.guard.core import Mode, Outcome, Policy
+from idemq.guard.cache import CompletedCache
+from idemq.guard.codec import Codec
+from idemq.guard.core import Mode, Outcome, Policy, Status
 from idemq.guard.probes import Observer, Probe, report_batch
 from idemq.message import Message
-from idemq.stores.base import AsyncStore, Store
+from idemq.stores.base import AsyncStore, ClaimRequest, Record, RecordStatus, Store
 
 __all__ = ["GuardBase", "Observed", "bind_handler", "call_with_tx", "key_of", "optional_call"]
 
@@ -110,14 +112,23 @@ class GuardBase(Generic[S]):
         lease_s: float = 30.0,
         clock: Clock | None = None,
         observer: Observer | None = None,
+        codec: Codec[Any] | None = None,
+        wait_s: float = 0.0,
+        local_cache: int = 0,
+        local_cache_ttl_s: float = 300.0,
     ) -> None:
         transactional = isinstance(store, self._transactional_protocol)
         mode = _mode_for(store, mode, transactional)
-        self.policy = Policy.build(consumer=consumer, mode=mode, lease_s=lease_s, clock=clock)
+        self.policy = Policy.build(
+            consumer=consumer, mode=mode, lease_s=lease_s, clock=clock, codec=codec, wait_s=wait_s
+        )
         # Metrics/tracing/logging hooks (idemq.observe); None costs one check per message.
         self.observer = observer
         self.store: S = store
         self._transactional = self.policy.mode is Mode.TRANSACTIONAL
+        self.cache = (
+            CompletedCache(local_cache, round(local_cache_ttl_s * 1000)) if local_cache else None
+        )
 
     @property
     def consumer(self) -> str:
@@ -171,6 +182,28 @@ class GuardBase(Generic[S]):
             return cast(str, key_of(key, args, kwargs)), bind(*args, **kwargs), options
 
         return call_for
+
+    def _remember(
+        self, request: ClaimRequest, outcome: Outcome[Any], *, committed: bool = True
+    ) -> None:
+        """Keep a completed message in the local cache, once its record cannot be undone:
+        ``committed`` is False when the effect is inside a caller's transaction."""
+        cache = self.cache
+        if cache is None:
+            return
+        if outcome.status is Status.DUPLICATE and outcome.record is not None:
+            cache.put(outcome.record, request.now_ms)
+        elif outcome.status is Status.PROCESSED and committed:
+            key = request.key
+            record = Record(
+                consumer=key.consumer,
+                message_id=key.message_id,
+                status=RecordStatus.PROCESSED,
+                business_id=request.business_id,
+                payload_hash=request.payload_hash,
+                result=self.policy.encode(outcome.result),
+            )
+            cache.put(record, request.now_ms)
 
     def _report_batch(self, outcomes: list[Outcome[Any]]) -> list[Outcome[Any]]:
         """Tell the observer each message's end result; returns the outcomes."""

@@ -162,7 +162,7 @@ def batch_flow(
             outcomes.append(Outcome.failed(message_id, failures[i]))
             continue
         try:
-            judged = judge(request, next(claimed))
+            judged = judge(policy, request, next(claimed))
         except PayloadMismatchError as exc:  # fails only this message
             outcomes.append(Outcome.failed(message_id, exc))
             continue
@@ -170,7 +170,7 @@ def batch_flow(
             outcomes.append(judged)
             continue
         if transactional:
-            run = yield from _handle_in_transaction(request, messages[i], isolated)
+            run = yield from _handle_in_transaction(policy, request, messages[i], isolated)
         else:
             run = yield from _handle_leased(policy, request, messages[i])
         if run.error is None:
@@ -185,10 +185,10 @@ def batch_flow(
 
 
 def _handle_in_transaction(
-    request: ClaimRequest, message: Any, isolated: bool
+    policy: Policy, request: ClaimRequest, message: Any, isolated: bool
 ) -> Generator[Step, Any, HandlerRun]:
     savepoint = (yield OpenSavepoint()) if isolated else None
-    run = yield from run_handler(request, message, None)
+    run = yield from run_handler(policy, request, message, None)
     if run.error is None and run.encoded != NULL_RESULT:
         yield SaveResultIn(request.key, run.encoded)
     if isolated:
@@ -203,7 +203,7 @@ def _handle_in_transaction(
 def _handle_leased(
     policy: Policy, request: ClaimRequest, message: Any
 ) -> Generator[Step, Any, HandlerRun]:
-    run = yield from run_handler(request, message, None)
+    run = yield from run_handler(policy, request, message, None)
     if run.error is not None:
         yield from release_noting_failure(request, run.error)
         return run

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from idemq._clock import Clock, system_clock_ms
@@ -20,7 +20,7 @@ from idemq.errors import (
     InvalidMessageIdError,
     PayloadMismatchError,
 )
-from idemq.guard.codec import decode_result, hash_payload
+from idemq.guard.codec import NULL_RESULT, Codec, JsonCodec, hash_payload
 from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
 
 __all__ = [
@@ -149,9 +149,21 @@ class Policy:
     mode: Mode
     lease_ms: int
     clock: Clock
+    codec: Codec[Any] = field(default_factory=JsonCodec)
+    wait_ms: int = 0  # lease mode: how long a duplicate waits for a live claim to finish
 
     @classmethod
-    def build(cls, *, consumer: object, mode: str, lease_s: float, clock: Clock | None) -> Policy:
+    def build(
+        cls,
+        *,
+        consumer: object,
+        mode: str,
+        lease_s: float,
+        clock: Clock | None,
+        codec: Codec[Any] | None = None,
+        wait_s: float = 0.0,
+    ) -> Policy:
+        """Validated settings (:class:`~idemq.ConfigurationError` for anything off)."""
         if not isinstance(consumer, str) or not 0 < len(consumer) <= MAX_MESSAGE_ID_CHARS:
             raise ConfigurationError("consumer must be a str of 1-128 characters")
         try:
@@ -162,7 +174,26 @@ class Policy:
             ) from exc
         if not lease_s > 0:
             raise ConfigurationError(f"lease_s must be positive, got {lease_s!r}")
-        return cls(consumer, parsed_mode, round(lease_s * 1000), clock or system_clock_ms)
+        if not wait_s >= 0:
+            raise ConfigurationError(f"wait_s must be >= 0, got {wait_s!r}")
+        if codec is not None and not isinstance(codec, Codec):
+            raise ConfigurationError(f"codec must have encode() and decode(), got {codec!r}")
+        return cls(
+            consumer,
+            parsed_mode,
+            round(lease_s * 1000),
+            clock or system_clock_ms,
+            codec or JsonCodec(),
+            round(wait_s * 1000),
+        )
+
+    def encode(self, result: object) -> str:
+        """``result`` as stored (:data:`~idemq.guard.codec.NULL_RESULT` for ``None``)."""
+        return NULL_RESULT if result is None else self.codec.encode(result)
+
+    def decode(self, text: str | None) -> Any:
+        """A stored result as a duplicate is answered with it."""
+        return None if text is None or text == NULL_RESULT else self.codec.decode(text)
 
     def request(
         self, message_id: object, business_id: object = None, payload: object = None
@@ -179,7 +210,7 @@ class Policy:
         )
 
 
-def judge(request: ClaimRequest, claim: Claim) -> Outcome[Any] | None:
+def judge(policy: Policy, request: ClaimRequest, claim: Claim) -> Outcome[Any] | None:
     """What a claim means: ``None`` — run the handler; otherwise the outcome to return as is.
 
     A lost claim is a DUPLICATE when the record is PROCESSED (its result replayed) and IN_PROGRESS
@@ -200,5 +231,5 @@ def judge(request: ClaimRequest, claim: Claim) -> Outcome[Any] | None:
         )
     message_id = request.key.message_id
     if record.status is RecordStatus.PROCESSED:
-        return Outcome(Status.DUPLICATE, message_id, decode_result(record.result), record)
+        return Outcome(Status.DUPLICATE, message_id, policy.decode(record.result), record)
     return Outcome(Status.IN_PROGRESS, message_id, None, record)

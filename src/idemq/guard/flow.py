@@ -27,15 +27,18 @@ what a failure means (release the lease, roll the batch back, mark one message F
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from idemq.errors import ResultNotSerializableError, StoreConflictError
-from idemq.guard.codec import NULL_RESULT, encode_result
+from idemq.guard.cache import CompletedCache
+from idemq.guard.codec import NULL_RESULT
 from idemq.guard.context import HandlerContext
-from idemq.guard.core import CLAIM_ATTEMPTS, Mode, Outcome, Policy, judge
+from idemq.guard.core import CLAIM_ATTEMPTS, Mode, Outcome, Policy, Status, judge
 from idemq.guard.probes import Probe, claim_status
+from idemq.stores.base import Claim as StoredClaim
 from idemq.stores.base import ClaimRequest, Key
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "Flow",
     "HandlerRun",
     "OpenSavepoint",
+    "Pause",
     "Release",
     "ReleaseIn",
     "RunHandler",
@@ -177,6 +181,13 @@ class CloseSavepoint(StoreStep):
 
 
 @dataclass(frozen=True, slots=True)
+class Pause:
+    """Wait ``seconds`` before the next step (a duplicate waiting for a live claim to finish)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class RunHandler:
     """Run the handler for ``message`` (None for :meth:`~idemq.Idempotency.process`), with
     ``context`` current (:func:`idemq.guard.context.current_message`) while it runs.
@@ -190,7 +201,7 @@ class RunHandler:
     context: HandlerContext
 
 
-Step: TypeAlias = StoreStep | RunHandler
+Step: TypeAlias = StoreStep | RunHandler | Pause
 Flow: TypeAlias = Generator[Step, Any, Any]
 
 
@@ -204,7 +215,7 @@ class HandlerRun:
 
 
 def run_handler(
-    request: ClaimRequest, message: Any, probe: Probe | None
+    policy: Policy, request: ClaimRequest, message: Any, probe: Probe | None
 ) -> Generator[Step, Any, HandlerRun]:
     """The handler step, reported to ``probe``.
 
@@ -222,7 +233,7 @@ def run_handler(
     if not ok:
         return HandlerRun(error=value)
     try:
-        return HandlerRun(value, encode_result(value))
+        return HandlerRun(value, policy.encode(value))
     except ResultNotSerializableError as exc:
         return HandlerRun(error=exc)
 
@@ -238,21 +249,33 @@ def release_noting_failure(request: ClaimRequest, cause: BaseException) -> Flow:
         cause.add_note(f"idemq: releasing the claim failed too ({exc!r}); it will expire")
 
 
-def message_flow(policy: Policy, request: ClaimRequest, probe: Probe | None) -> Flow:
+def message_flow(
+    policy: Policy,
+    request: ClaimRequest,
+    probe: Probe | None,
+    cache: CompletedCache | None = None,
+) -> Flow:
     """One message, in the guard's mode; returns its :class:`Outcome` or raises.
 
     In transactional mode the shell runs this inside the transaction it opened: a handler error
     raised from here rolls the dedup row back with the effect, and a DUPLICATE or IN_PROGRESS
-    returned from here commits nothing but a lock that is released.
+    returned from here commits nothing but a lock that is released. ``cache``: completed records
+    answered without a claim (see :mod:`idemq.guard.cache`).
     """
     transactional = policy.mode is Mode.TRANSACTIONAL
-    claim = yield ClaimIn(request) if transactional else Claim(request)
+    cached = None if cache is None else cache.get(request.key.message_id, request.now_ms)
+    if cached is not None:
+        claim = StoredClaim.lost_to(cached)
+    else:
+        claim = yield ClaimIn(request) if transactional else Claim(request)
     if probe is not None:
         probe.claimed(claim_status(claim))
-    judged = judge(request, claim)
+    judged = judge(policy, request, claim)
+    if judged is not None and judged.status is Status.IN_PROGRESS and policy.wait_ms > 0:
+        judged, request = yield from _wait_for_holder(policy, request, judged)
     if judged is not None:
         return judged
-    run = yield from run_handler(request, None, probe)
+    run = yield from run_handler(policy, request, None, probe)
     if run.error is not None:
         if not transactional:
             yield from release_noting_failure(request, run.error)
@@ -262,6 +285,30 @@ def message_flow(policy: Policy, request: ClaimRequest, probe: Probe | None) -> 
     elif run.encoded != NULL_RESULT:
         yield SaveResultIn(request.key, run.encoded)
     return Outcome.processed(request.key.message_id, run.result)
+
+
+def _wait_for_holder(
+    policy: Policy, request: ClaimRequest, judged: Outcome[Any]
+) -> Generator[Step, Any, tuple[Outcome[Any] | None, ClaimRequest]]:
+    """A duplicate that met a live claim (lease mode) claims again, backing off, until the
+    holder finished (DUPLICATE, its result replayed), its lease ran out and this claim took it
+    over (None: run the handler), or ``policy.wait_ms`` passed (still IN_PROGRESS)."""
+    deadline_ms = request.now_ms + policy.wait_ms
+    delay_s = _FIRST_WAIT_S
+    current: Outcome[Any] | None = judged
+    while current is not None and current.status is Status.IN_PROGRESS:
+        left_s = (deadline_ms - policy.clock()) / 1000
+        if left_s <= 0:
+            break
+        yield Pause(min(delay_s, left_s))
+        delay_s = min(delay_s * 2, _LONGEST_WAIT_S)
+        request = dataclasses.replace(request, now_ms=policy.clock())
+        current = judge(policy, request, (yield Claim(request)))
+    return current, request
+
+
+_FIRST_WAIT_S = 0.01
+_LONGEST_WAIT_S = 0.5
 
 
 class ConflictRetries:

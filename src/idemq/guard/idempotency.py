@@ -9,6 +9,7 @@ its asyncio twin, :class:`~idemq.guard.idempotency_async.AsyncIdempotency`.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -18,7 +19,7 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
-from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, message_flow
+from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
 from idemq.message import Message
 from idemq.stores.base import Store, TransactionalStore
 
@@ -57,11 +58,12 @@ class Idempotency(GuardBase[Store]):
         with self._observed(message_id) as observed:
             request = self.policy.request(message_id, business_id, payload)
             observed.outcome = self._run(
-                lambda _retries: message_flow(self.policy, request, observed.probe),
+                lambda _retries: message_flow(self.policy, request, observed.probe, self.cache),
                 bind_handler(handler),
                 connection,
                 ConflictRetries,
             )
+        self._remember(request, observed.outcome, committed=connection is None)
         return cast(Outcome[T], observed.outcome)
 
     def process_batch(
@@ -80,6 +82,8 @@ class Idempotency(GuardBase[Store]):
         """
         plan, make_flow = self._batch(messages)
         outcomes = self._run(make_flow, handler, connection, BatchPasses)
+        for request, outcome in zip(plan.requests, outcomes, strict=True):
+            self._remember(request, outcome, committed=connection is None)
         return self._report_batch(plan.assemble(outcomes))
 
     def idempotent(
@@ -143,4 +147,7 @@ class Idempotency(GuardBase[Store]):
                 return False, exc
             finally:
                 context.leave(token)
+        if isinstance(step, Pause):
+            time.sleep(step.seconds)
+            return None
         return step.call(self.store, tx)

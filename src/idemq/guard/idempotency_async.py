@@ -7,6 +7,7 @@ handler are awaited. Handlers may be coroutine functions or plain functions.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,7 +19,7 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
-from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, message_flow
+from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
 from idemq.message import Message
 from idemq.stores.base import AsyncStore, AsyncTransactionalStore
 
@@ -48,11 +49,12 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         with self._observed(message_id) as observed:
             request = self.policy.request(message_id, business_id, payload)
             observed.outcome = await self._run(
-                lambda _retries: message_flow(self.policy, request, observed.probe),
+                lambda _retries: message_flow(self.policy, request, observed.probe, self.cache),
                 bind_handler(handler),
                 connection,
                 ConflictRetries,
             )
+        self._remember(request, observed.outcome, committed=connection is None)
         return cast(Outcome[T], observed.outcome)
 
     async def process_batch(
@@ -65,6 +67,8 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         """See :meth:`Idempotency.process_batch`; ``handler`` may be async."""
         plan, make_flow = self._batch(messages)
         outcomes = await self._run(make_flow, handler, connection, BatchPasses)
+        for request, outcome in zip(plan.requests, outcomes, strict=True):
+            self._remember(request, outcome, committed=connection is None)
         return self._report_batch(plan.assemble(outcomes))
 
     def idempotent(
@@ -122,4 +126,7 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
                 return False, exc
             finally:
                 context.leave(token)
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+            return None
         return await step.call(self.store, tx)

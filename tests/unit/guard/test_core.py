@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import decimal
+import hashlib
 import json
+import uuid
 
 import pytest
 
@@ -100,20 +105,24 @@ def record(status: RecordStatus, payload_hash: str | None = "h", result: str | N
 
 
 def test_judge_maps_a_claim_to_an_outcome():
-    request = policy().request("m")
-    assert judge(request, Claim.won()) is None
-    done = judge(request, Claim.lost_to(record(RecordStatus.PROCESSED)))
+    guard_policy = policy()
+    request = guard_policy.request("m")
+    assert judge(guard_policy, request, Claim.won()) is None
+    done = judge(guard_policy, request, Claim.lost_to(record(RecordStatus.PROCESSED)))
     assert done is not None
     assert (done.status, done.result, done.should_ack) == (Status.DUPLICATE, "r", True)
-    busy = judge(request, Claim.lost_to(record(RecordStatus.PROCESSING, result=None)))
+    busy = judge(guard_policy, request, Claim.lost_to(record(RecordStatus.PROCESSING, result=None)))
     assert busy is not None
     assert (busy.status, busy.should_ack) == (Status.IN_PROGRESS, False)
 
 
 def test_judge_refuses_another_payload_under_the_same_id():
-    request = policy().request("m", payload=b"new")
+    guard_policy = policy()
+    request = guard_policy.request("m", payload=b"new")
     with pytest.raises(idemq.PayloadMismatchError):
-        judge(request, Claim.lost_to(record(RecordStatus.PROCESSED, payload_hash="old")))
+        judge(
+            guard_policy, request, Claim.lost_to(record(RecordStatus.PROCESSED, payload_hash="old"))
+        )
 
 
 def test_modes_are_named():
@@ -136,3 +145,44 @@ def test_a_repeated_id_with_another_body_in_one_batch_is_a_payload_mismatch():
     assert not isinstance(mismatch, int)
     assert mismatch.status is Status.FAILED
     assert isinstance(mismatch.error, idemq.PayloadMismatchError)
+
+
+def test_payload_hashing_is_canonical():
+    tz = datetime.timezone(datetime.timedelta(hours=2))
+    same = [
+        ({"b": 1, "a": [1, 2]}, {"a": [1, 2], "b": 1}),
+        ({1, 2, 3}, {3, 1, 2}),
+        ((1, "x"), [1, "x"]),
+        (decimal.Decimal("1.50"), decimal.Decimal("1.5")),
+        (
+            datetime.datetime(2024, 1, 1, 12, tzinfo=tz),
+            datetime.datetime(2024, 1, 1, 10, tzinfo=datetime.UTC),
+        ),
+        ({"mode": Mode.LEASE}, {"mode": "lease"}),
+        ({"id": uuid.UUID(int=1)}, {"id": str(uuid.UUID(int=1))}),
+        ({"raw": b"\x01\xff"}, {"raw": "01ff"}),
+        (Point(1, 2), {"x": 1, "y": 2}),
+    ]
+    for left, right in same:
+        assert hash_payload(left) == hash_payload(right), (left, right)
+    assert hash_payload(decimal.Decimal("1.5")) != hash_payload(decimal.Decimal("1.51"))
+    assert hash_payload({"amount": 1}) != hash_payload({"amount": 2})
+
+
+def test_json_payloads_hash_as_they_always_have():
+    # A message delivered before an upgrade and again after it must still be recognised.
+    payload = {"b": [1, 2.5, None, True], "a": "ü", "n": {"z": 1, "y": {}}}
+    legacy = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert hash_payload(payload) == hashlib.sha256(legacy.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("value", [{1: "a", "b": 2}, decimal.Decimal("NaN"), object()])
+def test_payloads_without_a_canonical_form_are_refused(value: object):
+    with pytest.raises(idemq.InvalidMessageError):
+        hash_payload(value)
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int

@@ -1,0 +1,67 @@
+"""A bounded in-process cache of completed records, in front of the store.
+
+Under a redelivery storm most deliveries are duplicates of messages this very process finished a
+moment ago; answering those from memory spares the store a round trip each. Only what cannot be
+undone is kept: a record the store holds as PROCESSED (read from it, or written by a transaction
+idemq itself committed, or a completed lease) — never a live claim, never an effect inside a
+caller's transaction that may still roll back. One cache belongs to one guard, so to one
+consumer: a message id is never answered for another consumer's record.
+
+Entries are evicted least recently used beyond ``size``, and after ``ttl_ms`` on the guard's
+clock, so a record the store has since purged, expired or forgotten is not answered for long.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from idemq.errors import ConfigurationError
+from idemq.stores.base import Record, RecordStatus
+
+__all__ = ["CompletedCache"]
+
+
+class CompletedCache:
+    """Completed records by message id: at most ``size`` of them, each for ``ttl_ms``."""
+
+    def __init__(self, size: int, ttl_ms: int) -> None:
+        if size < 1:
+            raise ConfigurationError(f"local_cache must be >= 1 records, got {size!r}")
+        if ttl_ms < 1:
+            raise ConfigurationError(f"local_cache_ttl_s must be positive, got {ttl_ms / 1000!r}")
+        self.size = size
+        self.ttl_ms = ttl_ms
+        self._records: OrderedDict[str, tuple[int, Record]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, message_id: str, now_ms: int) -> Record | None:
+        """The completed record of ``message_id`` if it is cached and fresh, else None."""
+        with self._lock:
+            entry = self._records.get(message_id)
+            if entry is None:
+                return None
+            stored_ms, record = entry
+            if now_ms - stored_ms >= self.ttl_ms:
+                del self._records[message_id]
+                return None
+            self._records.move_to_end(message_id)
+            return record
+
+    def put(self, record: Record, now_ms: int) -> None:
+        """Keep ``record`` (a PROCESSED one only; anything else is ignored)."""
+        if record.status is not RecordStatus.PROCESSED:
+            return
+        with self._lock:
+            self._records[record.message_id] = (now_ms, record)
+            self._records.move_to_end(record.message_id)
+            while len(self._records) > self.size:
+                self._records.popitem(last=False)
+
+    def forget(self, message_id: str) -> None:
+        """Drop ``message_id`` (its record was forgotten in the store)."""
+        with self._lock:
+            self._records.pop(message_id, None)
+
+    def __len__(self) -> int:
+        return len(self._records)
