@@ -408,8 +408,8 @@ def test_complete_never_rewrites_what_is_not_its_processing_record(
     ],
 )
 def test_keys_are_the_percent_encoding_of_consumer_and_id(message_id: str) -> None:
-    # Records written before the regex fast paths (none, colons only, other) must stay
-    # reachable: same key, byte for byte, as quote(safe="") of both parts.
+    # Records written by every earlier version must stay reachable: a key is, byte for byte,
+    # quote(safe="") of both parts.
     layout = Layout.build("p", 60)
     expected = f"p:{{{quote('c:1', safe='')}:{quote(message_id, safe='')}}}"
     assert layout.key(Key("c:1", message_id)) == expected
@@ -443,6 +443,19 @@ def test_conflict_reply_carries_every_field_and_a_result_with_separators(
         NOW_MS + 1000,
     )
     assert (held.result, held.business_id, held.payload_hash) == (None, None, None)
+
+
+def test_a_result_with_a_lone_surrogate_round_trips(store: RedisStore, client: redis.Redis) -> None:
+    # JSON text from the guard may hold a lone surrogate, which redis-py's strict encoder
+    # refuses: the store encodes the result itself (surrogatepass) and reads it back so.
+    guard = idemq.Idempotency(store, consumer=C, mode="lease", lease_s=5)
+    first = guard.process("m1", lambda tx: "lone \udcff surrogate")
+    again = guard.process("m1", lambda tx: "not run")
+    assert (first.status, again.status) == (idemq.Status.PROCESSED, idemq.Status.DUPLICATE)
+    assert again.result == "lone \udcff surrogate"
+    stored = client.get(store._layout.key(Key(C, "m1")))
+    assert stored is not None
+    assert stored.endswith('"lone \udcff surrogate"'.encode("utf-8", "surrogatepass"))
 
 
 def test_nul_in_owner_or_business_id_is_refused_before_writing(store: RedisStore) -> None:
