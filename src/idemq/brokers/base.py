@@ -20,9 +20,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
-from urllib.parse import urlsplit, urlunsplit
 
 from idemq.brokers.settlement import Ack, Retry, Settlement
+from idemq.drivers.urls import mask_url
 from idemq.errors import (
     AlreadySettledError,
     BrokerError,
@@ -95,17 +95,6 @@ def dead_letter_headers(
     out[DEAD_LETTER_QUEUE_HEADER] = queue
     out[DEAD_LETTER_ATTEMPTS_HEADER] = str(delivery_attempt)
     return out
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,8 @@ import redis
 
 from idemq.brokers.base import Delivery, Received, dead_letter_headers
 from idemq.brokers.settlement import Ack, Settlement
+from idemq.drivers.redis import redis_client
+from idemq.drivers.urls import mask_url
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["RedisStreamsBroker"]
@@ -68,10 +70,12 @@ class RedisStreamsBroker:
         try:
             claim_idle_ms = int(query.pop("claim_idle_ms", ["30000"])[0])
         except ValueError as exc:
-            raise ConfigurationError(f"claim_idle_ms must be an integer in {url!r}") from exc
+            raise ConfigurationError(
+                f"claim_idle_ms must be an integer in {mask_url(url)}"
+            ) from exc
         group = query.pop("group", ["idemq"])[0]
         rest = "&".join(f"{key}={values[0]}" for key, values in query.items())
-        client = redis.Redis.from_url(urlunsplit(parts._replace(query=rest)))
+        client = redis_client(urlunsplit(parts._replace(query=rest)), redis.Redis)
         return cls(client, group=group, claim_idle_ms=claim_idle_ms)
 
     def dead_letter_queue(self, queue: str) -> str:

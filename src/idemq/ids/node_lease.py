@@ -36,11 +36,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import redis
 import sqlalchemy as sa
 
 from idemq.drivers.redis import redis_client
 from idemq.drivers.sql import sql_engine
-from idemq.errors import ConfigurationError, LeaseLostError, StoreUnavailableError
+from idemq.errors import ConfigurationError, LeaseLostError, StoreError
 from idemq.ids.format import validate_id_part
 from idemq.ids.node_lease_backends import RedisLeaseBackend, SqlLeaseBackend
 
@@ -129,8 +130,9 @@ class NodeLease:
         """Renew now (the background thread does this every ``ttl_s / 3``).
 
         Raises :class:`~idemq.LeaseLostError` if the lease is lost and
-        :class:`~idemq.StoreUnavailableError` if the store did not answer (the lease stays valid
-        until its deadline; the caller may retry).
+        :class:`~idemq.StoreError` if the store did not answer or failed
+        (:class:`~idemq.StoreUnavailableError` when it could not be reached; the lease stays
+        valid until its deadline either way, and the caller may retry).
         """
         self.ensure_valid()
         # The server's expiry is at least send time + ttl: measure before the request leaves.
@@ -159,7 +161,7 @@ class NodeLease:
             try:
                 hold_ms = int(self._release_hold_s * 1000)
                 self._backend.release(self.pool, self.node, self.owner, hold_ms)
-            except StoreUnavailableError:
+            except StoreError:
                 # Not fatal: the lease expires by itself after ttl_s.
                 logger.warning("could not release node %s of pool %s", self.node, self.pool)
         self._backend.close()
@@ -191,7 +193,7 @@ class NodeLease:
                 interval_s = self.ttl_s / 3
             except LeaseLostError:
                 return
-            except StoreUnavailableError:
+            except StoreError:
                 # Retry sooner; ensure_valid() declares the lease lost at its deadline anyway.
                 logger.warning("renewing node %s of pool %s failed; retrying", self.node, self.pool)
                 interval_s = self.ttl_s / 10
@@ -252,7 +254,7 @@ def lease_node(
         lease_backend = SqlLeaseBackend(sql_engine(backend), sql_table, owns_engine=owns)
     elif isinstance(backend, str) or hasattr(backend, "register_script"):
         owns = isinstance(backend, str)
-        lease_backend = RedisLeaseBackend(redis_client(backend), owns_client=owns)
+        lease_backend = RedisLeaseBackend(redis_client(backend, redis.Redis), owns_client=owns)
     else:
         raise ConfigurationError(
             f"lease_node needs a redis-py client, a SQLAlchemy Engine or a URL; got {backend!r}"

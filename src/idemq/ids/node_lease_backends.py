@@ -6,40 +6,15 @@ processes competing for a pool never compare their own, possibly skewed, clocks.
 
 from __future__ import annotations
 
+import redis
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from idemq._plan import drive
+from idemq.drivers.redis import EXTEND_IF_OWNER, Call, Op, RedisExecutor, RunScript
 from idemq.errors import StoreUnavailableError
 
-try:
-    import redis
-except ImportError:  # pragma: no cover - the optional 'redis' extra is not installed
-    # SQL leases must keep working without it; a Redis client cannot exist then anyway.
-    redis = None  # type: ignore[assignment]
-
-
 __all__ = ["RedisLeaseBackend", "SqlLeaseBackend"]
-
-# KEYS[1] = lease key; ARGV[1] = owner token, ARGV[2] = ttl in ms.
-# Returns 1 if the owner still held the key and its expiry was reset, 0 otherwise. Compare and act
-# in one script: a GET then PEXPIRE from the client could extend a lease another owner just took.
-_RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-# KEYS[1] = lease key; ARGV[1] = owner token, ARGV[2] = hold in ms. Returns 1/0 (owned or not).
-# Release does not delete: it lets our lease run out after a short hold, because a process that
-# took the node at once could issue ids in the very millisecond (or, on a host whose clock is a
-# little behind, the very second) of our last ones — identical ids.
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
 
 _MGET_CHUNK = 500
 
@@ -50,8 +25,7 @@ class RedisLeaseBackend:
     def __init__(self, client: redis.Redis, *, owns_client: bool = False) -> None:
         self._client = client
         self._owns_client = owns_client
-        self._renew = client.register_script(_RENEW_LUA)
-        self._release = client.register_script(_RELEASE_LUA)
+        self._execute = RedisExecutor(client)
 
     def close(self) -> None:
         """Close the client if this backend created it (from a URL)."""
@@ -65,33 +39,39 @@ class RedisLeaseBackend:
 
     def try_acquire(self, pool: str, nodes: list[str], owner: str, ttl_ms: int) -> str | None:
         """See :class:`idemq.ids.node_lease.LeaseBackend`."""
-        try:
-            for start in range(0, len(nodes), _MGET_CHUNK):
-                chunk = nodes[start : start + _MGET_CHUNK]
-                # One MGET to skip held nodes; SET NX is still what decides (the MGET may be stale).
-                held = self._client.mget([self.key(pool, n) for n in chunk])
-                for node, holder in zip(chunk, held, strict=True):
-                    if holder is None and self._client.set(
-                        self.key(pool, node), owner, nx=True, px=ttl_ms
-                    ):
-                        return node
-        except redis.RedisError as exc:
-            raise StoreUnavailableError(f"cannot lease a node of pool {pool!r}") from exc
-        return None
+        return drive(_take_free_node(pool, nodes, owner, ttl_ms), self._execute)
 
     def renew(self, pool: str, node: str, owner: str, ttl_ms: int) -> bool:
         """See :class:`idemq.ids.node_lease.LeaseBackend`."""
-        try:
-            return bool(self._renew(keys=[self.key(pool, node)], args=[owner, ttl_ms]))
-        except redis.RedisError as exc:
-            raise StoreUnavailableError(f"cannot renew node {node!r} of pool {pool!r}") from exc
+        return drive(_extend_if_owner(self.key(pool, node), owner, ttl_ms), self._execute)
 
     def release(self, pool: str, node: str, owner: str, hold_ms: int) -> None:
-        """See :class:`idemq.ids.node_lease.LeaseBackend`."""
-        try:
-            self._release(keys=[self.key(pool, node)], args=[owner, hold_ms])
-        except redis.RedisError as exc:
-            raise StoreUnavailableError(f"cannot release node {node!r} of pool {pool!r}") from exc
+        """See :class:`idemq.ids.node_lease.LeaseBackend`.
+
+        Release does not delete: it lets our lease run out after a short hold, because a process
+        that took the node at once could issue ids in the very millisecond (or, on a host whose
+        clock is a little behind, the very second) of our last ones: identical ids.
+        """
+        drive(_extend_if_owner(self.key(pool, node), owner, hold_ms), self._execute)
+
+
+def _take_free_node(pool: str, nodes: list[str], owner: str, ttl_ms: int) -> Op[str | None]:
+    """The first node of ``nodes`` whose lease ``owner`` could take, or ``None``."""
+    for start in range(0, len(nodes), _MGET_CHUNK):
+        chunk = nodes[start : start + _MGET_CHUNK]
+        # One MGET to skip held nodes; SET NX is still what decides (the MGET may be stale).
+        held = yield Call("mget", [RedisLeaseBackend.key(pool, n) for n in chunk])
+        for node, holder in zip(chunk, held, strict=True):
+            if holder is None:
+                key = RedisLeaseBackend.key(pool, node)
+                if (yield Call("set", key, owner, nx=True, px=ttl_ms)):
+                    return node
+    return None
+
+
+def _extend_if_owner(key: str, owner: str, ttl_ms: int) -> Op[bool]:
+    extended = yield RunScript(EXTEND_IF_OWNER, (key,), (owner, ttl_ms))
+    return bool(extended)
 
 
 def _server_now_ms(dialect: str) -> sa.ColumnElement[int]:
@@ -199,7 +179,7 @@ class SqlLeaseBackend:
     def release(self, pool: str, node: str, owner: str, hold_ms: int) -> None:
         """See :class:`idemq.ids.node_lease.LeaseBackend`."""
         t = self.table
-        # Expire after a short hold rather than DELETE; see _RELEASE_LUA for the reason.
+        # Expire after a short hold rather than DELETE; see RedisLeaseBackend.release for why.
         stmt = (
             sa.update(t)
             .where(t.c.pool == pool, t.c.node == node, t.c.owner == owner)

@@ -16,28 +16,22 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+import redis
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from idemq.drivers.redis import redis_client
+from idemq._plan import drive
+from idemq.drivers.redis import Call, LuaScript, Op, RedisExecutor, RunScript, redis_client
 from idemq.drivers.sql import sql_engine
 from idemq.errors import ConfigurationError, StoreUnavailableError
-
-try:
-    import redis
-except ImportError:  # pragma: no cover - the optional 'redis' extra is not installed
-    # File and SQL stores must keep working without it.
-    redis = None  # type: ignore[assignment]
-
 
 __all__ = [
     "FileTimestampStore",
     "LastTimestampStore",
     "RedisTimestampStore",
     "SqlTimestampStore",
-    "redis_client",
     "sql_engine",
 ]
 
@@ -98,9 +92,12 @@ class FileTimestampStore:
             ) from exc
 
 
-# KEYS[1] = reservation key; ARGV[1] = until_ms. Sets the key to max(stored, ARGV[1]) atomically
-# (two generators racing on one key can never lower it). Returns the stored value afterwards.
-_ADVANCE_LUA = """
+_ADVANCE = LuaScript(
+    "advance_id_reservation",
+    """
+-- KEYS[1] reservation key   ARGV[1] until_ms
+-- Sets the key to max(stored, ARGV[1]) atomically, so two generators racing on one key can
+-- never lower it. Returns the stored value afterwards.
 local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
 local wanted = tonumber(ARGV[1])
 if wanted > current then
@@ -108,17 +105,18 @@ if wanted > current then
   return wanted
 end
 return current
-"""
+""",
+)
 
 
 class RedisTimestampStore:
     """A Redis string (no TTL) holding the reservation; durability is Redis's (use AOF)."""
 
-    def __init__(self, client_or_url: Any, key: str) -> None:
+    def __init__(self, client_or_url: redis.Redis | str, key: str) -> None:
         self.key = key
         self._owns_client = isinstance(client_or_url, str)
-        self._client = redis_client(client_or_url)
-        self._advance = self._client.register_script(_ADVANCE_LUA)
+        self._client = redis_client(client_or_url, redis.Redis)
+        self._execute = RedisExecutor(self._client)
 
     def close(self) -> None:
         """Close the client if this store created it from a URL."""
@@ -127,18 +125,20 @@ class RedisTimestampStore:
 
     def load(self) -> int | None:
         """See :meth:`LastTimestampStore.load`."""
-        try:
-            raw = self._client.get(self.key)
-        except redis.RedisError as exc:
-            raise StoreUnavailableError(f"cannot read id reservation {self.key!r}") from exc
-        return None if raw is None else int(raw)
+        return drive(_load(self.key), self._execute)
 
     def advance(self, until_ms: int) -> None:
         """See :meth:`LastTimestampStore.advance`."""
-        try:
-            self._advance(keys=[self.key], args=[until_ms])
-        except redis.RedisError as exc:
-            raise StoreUnavailableError(f"cannot persist id reservation {self.key!r}") from exc
+        drive(_advance(self.key, until_ms), self._execute)
+
+
+def _load(key: str) -> Op[int | None]:
+    raw = yield Call("get", key)
+    return None if raw is None else int(raw)
+
+
+def _advance(key: str, until_ms: int) -> Op[None]:
+    yield RunScript(_ADVANCE, (key,), (until_ms,))
 
 
 class SqlTimestampStore:

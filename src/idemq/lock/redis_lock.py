@@ -44,11 +44,9 @@ from typing import Any, Generic, TypeVar
 
 import redis
 import redis.asyncio
-from redis import exceptions as rx
 
 from idemq._plan import adrive, drive
-from idemq.drivers.redis import Op, Pause, RunScript, Step, describe_server
-from idemq.drivers.redis import translate_error as _translate
+from idemq.drivers.redis import AsyncRedisExecutor, Op, Pause, RedisExecutor, Step
 from idemq.errors import ConfigurationError, LockError, LockNotOwnedError
 from idemq.lock import scripts as ops
 
@@ -65,7 +63,6 @@ class _LockState:
 
     def __init__(
         self,
-        client: Any,
         name: str,
         ttl_s: float,
         *,
@@ -92,8 +89,6 @@ class _LockState:
         self.poll_s = poll_s
         self.rng = rng or random.Random()
         self.monotonic = monotonic or time.monotonic
-        self.server = describe_server(client.connection_pool.connection_kwargs)
-        self.scripts = {s.name: client.register_script(s.source) for s in ops.ALL_LOCK_SCRIPTS}
         self.token: str | None = None
         self.fence: int | None = None
         self.lost = False
@@ -165,14 +160,13 @@ class _LockState:
             raise LockError(f"lock {self.name!r} was never acquired: no fencing token yet")
         return self.fence
 
-    def call(self, step: RunScript) -> Any:
-        """Run ``step``'s registered script (sync: the reply; async: an awaitable of it)."""
-        return self.scripts[step.script.name](keys=step.keys, args=step.args)
-
 
 class _LockShell(Generic[C]):
     """What the sync and the async lock share: the constructor, the state, the read-only
-    properties. They differ only in how they execute a step and run the watchdog."""
+    properties. They differ only in their executor and in how they pause and run the
+    watchdog."""
+
+    _server: str
 
     def __init__(
         self,
@@ -190,7 +184,6 @@ class _LockShell(Generic[C]):
         monotonic: Callable[[], float] | None = None,
     ) -> None:
         self._state = _LockState(
-            client,
             name,
             ttl_s,
             prefix=prefix,
@@ -202,13 +195,14 @@ class _LockShell(Generic[C]):
             rng=rng,
             monotonic=monotonic,
         )
-        self._init_watchdog()
+        self._init_shell(client)
 
-    def _init_watchdog(self) -> None:
+    def _init_shell(self, client: C) -> None:
+        """Build the executor for ``client`` and the watchdog's stop signal."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._state.name!r}, {self._state.server})"
+        return f"{type(self).__name__}({self._state.name!r}, {self._server})"
 
     @property
     def name(self) -> str:
@@ -238,7 +232,9 @@ class RedisLock(_LockShell[redis.Redis]):
     watchdog thread). ``rng``/``monotonic`` are injectable for deterministic tests.
     """
 
-    def _init_watchdog(self) -> None:
+    def _init_shell(self, client: redis.Redis) -> None:
+        self._redis = RedisExecutor(client)
+        self._server = self._redis.server
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -248,12 +244,7 @@ class RedisLock(_LockShell[redis.Redis]):
                 time.sleep(step.seconds)
                 return False
             return stop.wait(step.seconds)
-        if not isinstance(step, RunScript):
-            raise TypeError(f"RedisLock cannot execute {step!r}")
-        try:
-            return self._state.call(step)
-        except rx.RedisError as exc:
-            raise _translate(exc, step.script.name, self._state.server) from exc
+        return self._redis(step)
 
     def acquire(self, blocking: bool = True, timeout_s: float | None = None) -> bool:
         """Take the lock; False only when non-blocking or ``timeout_s`` ran out."""
@@ -320,7 +311,9 @@ class RedisLock(_LockShell[redis.Redis]):
 class AsyncRedisLock(_LockShell[redis.asyncio.Redis]):
     """Async twin of :class:`RedisLock` (``redis.asyncio.Redis``); the watchdog is a task."""
 
-    def _init_watchdog(self) -> None:
+    def _init_shell(self, client: redis.asyncio.Redis) -> None:
+        self._redis = AsyncRedisExecutor(client)
+        self._server = self._redis.server
         self._stop = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -334,12 +327,7 @@ class AsyncRedisLock(_LockShell[redis.asyncio.Redis]):
             except TimeoutError:
                 return False
             return True
-        if not isinstance(step, RunScript):
-            raise TypeError(f"AsyncRedisLock cannot execute {step!r}")
-        try:
-            return await self._state.call(step)
-        except rx.RedisError as exc:
-            raise _translate(exc, step.script.name, self._state.server) from exc
+        return await self._redis(step)
 
     async def acquire(self, blocking: bool = True, timeout_s: float | None = None) -> bool:
         """See :meth:`RedisLock.acquire`."""

@@ -2,6 +2,7 @@
 
 Correctness lives on the server: every script compares the caller's random owner token with the
 lock's value in the same atomic step as it acts, so no client-side GET-then-act window exists.
+Extending is :data:`~idemq.drivers.redis.EXTEND_IF_OWNER`, the script node leases renew with too.
 """
 
 from __future__ import annotations
@@ -9,14 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import quote
 
-from idemq.drivers.redis import LuaScript, Op, Pause, RunScript
+from idemq.drivers.redis import EXTEND_IF_OWNER, LuaScript, Op, Pause, RunScript, escape_key_part
 from idemq.errors import ConfigurationError, StoreError
 
 __all__ = [
     "ACQUIRE",
-    "EXTEND",
     "OWNED",
     "RELEASE",
     "LockKeys",
@@ -65,18 +64,6 @@ return 0
 """,
 )
 
-EXTEND = LuaScript(
-    "lock_extend",
-    """
--- KEYS[1] lock key   ARGV[1] owner token   ARGV[2] ttl_ms (the new remaining time to live)
--- Returns 1 when ARGV[1] still holds the lock and its TTL is reset, 0 otherwise.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-""",
-)
-
 OWNED = LuaScript(
     "lock_owned",
     """
@@ -86,8 +73,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end
 return 0
 """,
 )
-
-ALL_LOCK_SCRIPTS = (ACQUIRE, RELEASE, EXTEND, OWNED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +88,9 @@ class LockKeys:
             raise ConfigurationError(f"lock name must be a non-empty str, got {name!r}")
         if not prefix or "{" in prefix or "}" in prefix:
             raise ConfigurationError(f"prefix must be a non-empty str without braces: {prefix!r}")
-        # Percent-encode: a "}" in the name must not end the hash tag early.
-        tag = quote(name, safe="", encoding="utf-8", errors="surrogatepass")
-        return cls(f"{prefix}:{{{tag}}}", f"{prefix}:{{{tag}}}:fence")
+        # Percent-encoded: a "}" in the name must not end the hash tag early.
+        tag = escape_key_part(name)
+        return cls(lock=f"{prefix}:{{{tag}}}", fence=f"{prefix}:{{{tag}}}:fence")
 
     @property
     def both(self) -> tuple[str, str]:
@@ -150,7 +135,7 @@ def release(keys: LockKeys, token: str) -> Op[bool]:
 
 def extend(keys: LockKeys, token: str, ttl_ms: int) -> Op[bool]:
     """True when the lock is still ours and now lives ``ttl_ms`` more."""
-    held = yield RunScript(EXTEND, (keys.lock,), (token, ttl_ms))
+    held = yield RunScript(EXTEND_IF_OWNER, (keys.lock,), (token, ttl_ms))
     return bool(held)
 
 
@@ -183,7 +168,7 @@ def renew(
         if stopped:
             return False
         try:
-            held = yield RunScript(EXTEND, (keys.lock,), (token, ttl_ms))
+            held = yield RunScript(EXTEND_IF_OWNER, (keys.lock,), (token, ttl_ms))
         except StoreError:
             if (monotonic() - last_ok) * 1000 >= ttl_ms:
                 return True

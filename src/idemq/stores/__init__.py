@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from idemq.stores.redis.store import RedisStore
+from idemq.stores.sql.store import SqlStore
+
 __all__ = ["is_redis_url", "open_store"]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -19,12 +22,7 @@ def open_store(url: str, **options: Any) -> Any:
     SQLAlchemy URL → :class:`~idemq.stores.sql.SqlStore` (``sqlite:///idemq.db``,
     ``postgresql+psycopg://…``, ``mysql+pymysql://…``). ``options`` go to the store."""
     if is_redis_url(url):
-        # Imported on use: redis is an optional extra.
-        from idemq.stores.redis.store import RedisStore  # noqa: PLC0415
-
         return RedisStore(url, **options)
-    from idemq.stores.sql.store import SqlStore  # noqa: PLC0415
-
     return SqlStore(url, **options)
 
 

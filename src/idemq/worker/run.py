@@ -59,10 +59,7 @@ def open_guard(store_url: str, consumer: str) -> idemq.Idempotency:
     SQL stores run in transactional mode (schema created if missing); Redis in lease mode.
     """
     if store_url.startswith(("redis://", "rediss://", "unix://")):
-        # Imported here: redis is an optional extra, needed only for a Redis store.
-        from idemq.stores.redis.store import RedisStore  # noqa: PLC0415
-
-        redis_store = RedisStore(store_url)
+        redis_store = idemq.RedisStore(store_url)
         return idemq.Idempotency(redis_store, consumer=consumer, mode="lease")
     sql_store = idemq.SqlStore(store_url)
     sql_store.create_schema()

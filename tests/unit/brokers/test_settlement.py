@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idemq.brokers.base import decode, mask_url
+from idemq.brokers.base import decode
 from idemq.brokers.settlement import Ack, DeadLetter, Retry, RetryPolicy, Verdict, classify, decide
 from idemq.errors import (
     InvalidBusinessIdError,
@@ -118,16 +118,3 @@ def test_decode_without_id_keeps_the_reason() -> None:
     assert msg is None
     assert err is not None
     assert "no message id" in err
-
-
-@pytest.mark.parametrize(
-    ("url", "masked"),
-    [
-        ("amqp://guest:secret@127.0.0.1:5672/", "amqp://guest:***@127.0.0.1:5672/"),
-        ("postgresql+psycopg://u:p@db/test", "postgresql+psycopg://u:***@db/test"),
-        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
-        ("embedded:///tmp/q.db", "embedded:///tmp/q.db"),
-    ],
-)
-def test_mask_url(url: str, masked: str) -> None:
-    assert mask_url(url) == masked

@@ -1,24 +1,19 @@
 """Everything :class:`~idemq.RedisStore` does, written once as sans-I/O operations.
 
-Key layout — one string per record (its value: see :mod:`.scripts`),
-``<prefix>:{<consumer>:<message_id>}``, both parts percent-encoded. Why encode: message ids are
-arbitrary text. A raw ``}`` would end the Cluster hash tag early, a raw ``:`` would make
-``("a:b", "c")`` and ``("a", "b:c")`` the same key, and a raw ``*``/``?``/``[`` would turn
-:meth:`find`'s SCAN pattern into a wildcard that reads (or a purge that deletes) other messages'
-records. After encoding, a key part holds only ``[A-Za-z0-9_.~-]`` and ``%XX``, so it is exact,
-reversible and glob-inert; patterns are glob-escaped anyway as a second line of defence.
+Each operation is a generator of :mod:`idemq.drivers.redis` steps (a command, a script call, a
+pipeline) run by :func:`~idemq._plan.drive` or ``adrive``, so the sync and the async store
+differ only in their executor. Keys are laid out by :mod:`.keys`, records read and written by
+:mod:`.records`, and the scripts live in :mod:`.scripts`.
 
-Two shapes of operation. The store protocol's primitives — claim, claim_many, complete,
-release — are one script call each and run once per message, so they are plain functions: one
-builds the :class:`RunScript`, one reads its reply, and the shells call the two around their
-EVALSHA. The operator's tools (find, stats, purge …) take several round trips (SCAN loops) and
-are generators of steps, run by :func:`~idemq._plan.drive`/``adrive``.
+The store protocol's primitives are one round trip each: a claim is ``SET … NX PX … GET``
+(a takeover adds the claim script), complete and release one script each, claim_many one
+script for the whole batch. The operator's tools (find, stats, purge …) are SCAN loops.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from idemq.drivers.redis import Batch, Call, Op, RunScript
 from idemq.errors import ConfigurationError, InvalidInputError, LeaseLostError, StoreError
@@ -31,7 +26,7 @@ from idemq.stores.base import (
     StoreStats,
 )
 from idemq.stores.redis.keys import Layout
-from idemq.stores.redis.records import _EPOCH, parse_record
+from idemq.stores.redis.records import EPOCH, format_record, parse_record
 from idemq.stores.redis.scripts import (
     CLAIM,
     CLAIM_MANY,
@@ -43,21 +38,16 @@ from idemq.stores.redis.scripts import (
 
 __all__ = [
     "Layout",
-    "claim_call",
-    "claim_many_call",
-    "claim_many_result",
-    "claim_result",
+    "claim",
+    "claim_many",
     "claim_set",
-    "claim_set_result",
-    "complete_call",
-    "complete_result",
+    "complete",
     "find",
     "force_release",
     "get",
     "in_progress",
-    "parse_record",
     "purge",
-    "release_call",
+    "release",
     "stats",
 ]
 
@@ -66,57 +56,62 @@ MEMORY_SAMPLE = 64
 """Records whose MEMORY USAGE is asked for by :func:`stats` (the size is extrapolated)."""
 
 
-# Every argument of a claim, complete or release is sent as bytes, text as UTF-8: redis-py's
-# encoder passes bytes through at its first type test, where a str costs it four tests and an
-# encode and an int five and a repr (per argument 0.4 and 0.7 µs here, against 0.1 µs). Records
-# are read back as UTF-8 (idemq.drivers.redis.text), so they are written as UTF-8 whatever
-# encoding the client was configured with; keys are ASCII but for the prefix.
+class ClaimArgs(NamedTuple):
+    """The claim script's ARGV for one message, in order (see :data:`.scripts.CLAIM`)."""
+
+    owner: str
+    now_ms: int
+    lease_until_ms: int
+    gc_ms: int
+    business_id: str
+    payload_hash: str
 
 
-def _arg(value: int) -> bytes:
-    """An integer as a command argument."""
-    return b"%d" % value
-
-
-def _claim_argv(
-    layout: Layout, request: ClaimRequest
-) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
-    """The claim script's six values of ``request`` (its ARGV), as command arguments."""
+def _claim_args(layout: Layout, request: ClaimRequest) -> ClaimArgs:
     owner = request.owner
     business_id = request.business_id or ""
     payload_hash = request.payload_hash or ""
     if "\0" in owner or "\0" in business_id or "\0" in payload_hash:
-        # The claim script joins a record's values with NUL; core never builds such a request.
+        # NUL separates a record's values; the guard never builds such a request.
         raise InvalidInputError("a claim's owner, business id and payload hash cannot hold NUL")
-    lease_ms = request.lease_ms
-    now_ms = request.now_ms
-    return (
-        owner.encode(),
-        _arg(now_ms),
-        _arg(now_ms + lease_ms),
+    return ClaimArgs(
+        owner=owner,
+        now_ms=request.now_ms,
+        lease_until_ms=request.lease_until_ms,
         # Keep a PROCESSING record until its lease is over plus the retention ttl: long enough
         # that a redelivery after a crash finds it and takes over rather than starts afresh.
-        _arg(lease_ms + layout.ttl_ms),
-        business_id.encode(),
-        payload_hash.encode(),
+        gc_ms=request.lease_ms + layout.ttl_ms,
+        business_id=business_id,
+        payload_hash=payload_hash,
     )
 
 
-def claim_set(layout: Layout, request: ClaimRequest) -> tuple[bytes, ...]:
+def claim_set(layout: Layout, request: ClaimRequest) -> Call:
     """The first try at a claim: ``SET key <PROCESSING record> NX PX gc GET`` (Redis >= 7.0).
 
     One native command, no script: it creates the record when there is none and otherwise
-    hands back the stored one untouched — for a duplicate, the whole answer. Only a PROCESSING
-    record that may be taken over needs the claim script (see :func:`claim_set_result`).
+    hands back the stored one untouched; for a duplicate, that is the whole answer.
     """
-    owner, now_ms, until_ms, gc_ms, business_id, payload_hash = _claim_argv(layout, request)
-    # The same record the claim script writes for a fresh claim (FIELDS order, NUL-joined).
-    record = b"\0".join((b"0", owner, until_ms, b"1", now_ms, b"", business_id, payload_hash, b""))
-    return (b"SET", layout.key_arg(request.key), record, b"NX", b"PX", gc_ms, b"GET")
+    return _set_if_absent(layout.key(request.key), _claim_args(layout, request))
 
 
-def claim_set_result(request: ClaimRequest, stored: bytes | str | None) -> Claim | None:
-    """The claim that :func:`claim_set` decided, or ``None``: run :func:`claim_call` next.
+def _set_if_absent(key: str, args: ClaimArgs) -> Call:
+    record = format_record(
+        status=RecordStatus.PROCESSING,
+        owner=args.owner,
+        lease_until_ms=args.lease_until_ms,
+        attempts=1,
+        created_ms=args.now_ms,
+        processed_ms=None,
+        business_id=args.business_id,
+        payload_hash=args.payload_hash,
+        result=None,
+    )
+    return Call("set", key, record, nx=True, px=args.gc_ms, get=True)
+
+
+def _judge_stored(request: ClaimRequest, stored: bytes | str | None) -> Claim | None:
+    """The claim that :func:`claim_set`'s reply decides, or ``None``: ask the claim script.
 
     ``None`` for a PROCESSING record whose lease has expired (a takeover, if the payload
     allows) or that is already ``request.owner``'s (a replayed claim). The script judges
@@ -134,13 +129,8 @@ def claim_set_result(request: ClaimRequest, stored: bytes | str | None) -> Claim
     return Claim.lost_to(record)
 
 
-def claim_call(layout: Layout, request: ClaimRequest) -> RunScript:
-    """The claim script for one message; read the reply with :func:`claim_result`."""
-    return RunScript(CLAIM, (layout.key_arg(request.key),), _claim_argv(layout, request))
-
-
-def claim_result(key: Key, reply: Any) -> Claim:
-    """Won (the script returned 1) or lost to the record it handed back."""
+def _script_claim(key: Key, reply: Any) -> Claim:
+    """Won (the claim script returned 1) or lost to the record it handed back."""
     if reply == 1:
         return Claim.won()
     record = parse_record(key, reply)
@@ -149,34 +139,35 @@ def claim_result(key: Key, reply: Any) -> Claim:
     return Claim.lost_to(record)
 
 
-def claim_many_call(layout: Layout, requests: Sequence[ClaimRequest]) -> RunScript:
-    """The claims of a batch in one script call (``requests`` must not be empty)."""
-    keys = tuple(layout.key_arg(r.key) for r in requests)
-    args = tuple(a for r in requests for a in _claim_argv(layout, r))
-    return RunScript(CLAIM_MANY, keys, args)
+def claim(layout: Layout, request: ClaimRequest) -> Op[Claim]:
+    """Claim one message: a fresh claim or a duplicate in one round trip, a takeover in two."""
+    key = layout.key(request.key)
+    args = _claim_args(layout, request)
+    stored = yield _set_if_absent(key, args)
+    decided = _judge_stored(request, stored)
+    if decided is not None:
+        return decided
+    reply = yield RunScript(CLAIM, (key,), args)
+    return _script_claim(request.key, reply)
 
 
-def claim_many_result(requests: Sequence[ClaimRequest], replies: Any) -> list[Claim]:
-    """The claims of :func:`claim_many_call`, in the order of ``requests``."""
-    return [claim_result(r.key, reply) for r, reply in zip(requests, replies, strict=True)]
+def claim_many(layout: Layout, requests: Sequence[ClaimRequest]) -> Op[list[Claim]]:
+    """The claims of a batch in one script call, in the order of ``requests``."""
+    if not requests:
+        return []
+    keys = tuple(layout.key(r.key) for r in requests)
+    args = tuple(value for r in requests for value in _claim_args(layout, r))
+    replies = yield RunScript(CLAIM_MANY, keys, args)
+    return [_script_claim(r.key, reply) for r, reply in zip(requests, replies, strict=True)]
 
 
-def _encode_value(value: str) -> bytes:
-    # Results are JSON text from the guard; encode ourselves so even a lone surrogate round-trips.
-    return value.encode("utf-8", "surrogatepass")
-
-
-def complete_call(layout: Layout, key: Key, owner: str, result: str, now_ms: int) -> RunScript:
-    """PROCESSING → PROCESSED for ``owner``; check the reply with :func:`complete_result`."""
-    return RunScript(
-        COMPLETE,
-        (layout.key_arg(key),),
-        (owner.encode(), _encode_value(result), _arg(now_ms), _arg(layout.ttl_ms)),
-    )
-
-
-def complete_result(key: Key, reply: Any) -> None:
-    """Raise :class:`LeaseLostError` unless the complete script stored the result."""
+def complete(layout: Layout, key: Key, owner: str, result: str, now_ms: int) -> Op[None]:
+    """PROCESSING → PROCESSED for ``owner``; :class:`LeaseLostError` if ``owner`` lost it."""
+    # The one argument idemq encodes itself: a result is JSON text from the guard and may hold a
+    # lone surrogate (json.dumps("\udcff", ensure_ascii=False)), which redis-py's strict UTF-8
+    # encoder refuses. Sent as bytes with surrogatepass it round-trips, as text() reads it back.
+    encoded = result.encode("utf-8", "surrogatepass")
+    reply = yield RunScript(COMPLETE, (layout.key(key),), (owner, encoded, now_ms, layout.ttl_ms))
     if reply != 1:
         raise LeaseLostError(
             f"lease on {key.message_id!r} (consumer {key.consumer!r}) was lost before complete: "
@@ -184,25 +175,23 @@ def complete_result(key: Key, reply: Any) -> None:
         )
 
 
-def release_call(layout: Layout, key: Key, owner: str) -> RunScript:
-    """Delete ``owner``'s PROCESSING record (a no-op for anyone else); the reply is unused."""
-    return RunScript(RELEASE, (layout.key_arg(key),), (owner.encode(),))
+def release(layout: Layout, key: Key, owner: str) -> Op[None]:
+    """Delete ``owner``'s PROCESSING record (a no-op for anyone else)."""
+    yield RunScript(RELEASE, (layout.key(key),), (owner,))
 
 
 def get(layout: Layout, key: Key) -> Op[Record | None]:
-    stored = yield Call(("GET", layout.key(key)))
+    """The record of ``key``, or ``None``."""
+    stored = yield Call("get", layout.key(key))
     return parse_record(key, stored)
 
 
 def _scan(pattern: str) -> Op[list[bytes | str]]:
     """Every key matching ``pattern`` (SCAN may repeat keys; duplicates are dropped)."""
     found: dict[bytes | str, None] = {}
-    cursor: int = 0
+    cursor = 0
     while True:
-        reply = yield Call(
-            ("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT, "TYPE", "string")
-        )
-        cursor, keys = int(reply[0]), reply[1]
+        cursor, keys = yield Call("scan", cursor, match=pattern, count=_SCAN_COUNT, _type="string")
         found.update(dict.fromkeys(keys))
         if cursor == 0:
             return list(found)
@@ -217,7 +206,7 @@ def _fetch(
     records: list[Record] = []
     for start in range(0, len(pairs), _SCAN_COUNT):
         chunk = pairs[start : start + _SCAN_COUNT]
-        replies = yield Batch(tuple(("GET", raw) for raw, _ in chunk))
+        replies = yield Batch(tuple(Call("get", raw) for raw, _ in chunk))
         for (_, key), stored in zip(chunk, replies, strict=True):
             try:
                 record = parse_record(key, stored)  # None: expired or deleted since the SCAN
@@ -231,29 +220,32 @@ def _fetch(
 
 
 def find(layout: Layout, message_id: str) -> Op[list[Record]]:
+    """Every consumer's record of ``message_id``, by consumer."""
     raw_keys = yield from _scan(layout.pattern_message(message_id))
     records = yield from _fetch(layout, raw_keys)
     return sorted((r for r in records if r.message_id == message_id), key=lambda r: r.consumer)
 
 
 def in_progress(layout: Layout, limit: int) -> Op[list[Record]]:
+    """Up to ``limit`` PROCESSING records, oldest first."""
     raw_keys = yield from _scan(layout.pattern_all())
     records = yield from _fetch(layout, raw_keys)
     processing = [r for r in records if r.status is RecordStatus.PROCESSING]
-    processing.sort(key=lambda r: (r.created_time or _EPOCH, r.lease_until_ms or 0))
+    processing.sort(key=lambda r: (r.created_time or EPOCH, r.lease_until_ms or 0))
     return processing[:limit]
 
 
 def purge(layout: Layout, cutoff_ms: int, batch_size: int) -> Op[int]:
+    """Delete PROCESSED records processed before ``cutoff_ms``; how many were deleted."""
     if batch_size < 1:
         raise ConfigurationError(f"batch_size must be at least 1, got {batch_size}")
     deleted = 0
-    cursor: int = 0
+    cursor = 0
     while True:
-        reply = yield Call(
-            ("SCAN", cursor, "MATCH", layout.pattern_all(), "COUNT", batch_size, "TYPE", "string")
+        cursor, found = yield Call(
+            "scan", cursor, match=layout.pattern_all(), count=batch_size, _type="string"
         )
-        cursor, keys = int(reply[0]), [k for k in reply[1] if layout.parse_key(k) is not None]
+        keys = [k for k in found if layout.parse_key(k) is not None]
         # Bounded batches: one Lua call never blocks the server for more than batch_size keys.
         for start in range(0, len(keys), batch_size):
             deleted += yield RunScript(PURGE, tuple(keys[start : start + batch_size]), (cutoff_ms,))
@@ -262,6 +254,7 @@ def purge(layout: Layout, cutoff_ms: int, batch_size: int) -> Op[int]:
 
 
 def force_release(layout: Layout, key: Key) -> Op[bool]:
+    """Delete ``key``'s PROCESSING record whoever owns it; True if one was deleted."""
     deleted = yield RunScript(FORCE_RELEASE, (layout.key(key),), ())
     return bool(deleted == 1)
 
@@ -281,7 +274,7 @@ def stats(layout: Layout, now_ms: int) -> Op[StoreStats]:
     sample = keys[:: max(1, len(keys) // MEMORY_SAMPLE)][:MEMORY_SAMPLE]
     sizes: list[int] = []
     if sample:
-        usages = yield Batch(tuple(("MEMORY", "USAGE", raw) for raw in sample))
+        usages = yield Batch(tuple(Call("memory_usage", raw) for raw in sample))
         sizes = [int(u) for u in usages if u is not None]
     count = len(records)
     size = round(sum(sizes) / len(sizes) * count) if sizes else 0

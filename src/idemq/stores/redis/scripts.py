@@ -1,20 +1,9 @@
-"""The Lua scripts of :class:`~idemq.RedisStore` — each primitive is one atomic round trip.
+"""The Lua scripts of :class:`~idemq.RedisStore`: each primitive is one atomic round trip.
 
-A record is one Redis string (one key, so one Cluster slot): nine values joined by NUL, in
-this order (:data:`FIELDS`)::
-
-    s  status: "0" PROCESSING, "1" PROCESSED         o  owner token of the claim
-    l  lease_until_ms (PROCESSING only)              a  attempts (1 + takeovers)
-    c  created ms         p  processed ms            b  business id ("" = none)
-    h  payload sha256 hex ("" = none)                r  result JSON text (PROCESSED only)
-
-Why a string and not a hash: the stored value *is* the reply a duplicate needs, so the
-duplicate path — the hot one under redelivery storms — is one GET handed back as it is, with
-no field gathering on the server and one bulk string for redis-py to read. NUL separates
-because no value but the result can hold one (ids and business ids are validated without it,
-owners and hashes are hex, the rest are digits), and the result is last: a reader splits at
-most 8 times and keeps the result whole. Scripts only split PROCESSING records (result empty)
-or read the values before the result.
+A script reads and writes records in the format of :mod:`.records` (the values of
+``RECORD_FIELDS`` joined by NUL); the field positions below are named after those fields.
+Scripts only split PROCESSING records (their result is empty) or read the values before the
+result, so a NUL inside a result can never shift a field.
 
 Every time in ARGV comes from the guard's injected clock; Redis's own clock only drives the
 PX garbage collection, which is deliberately longer than any lease.
@@ -32,7 +21,6 @@ __all__ = [
     "CLAIM_ARGC",
     "CLAIM_MANY",
     "COMPLETE",
-    "FIELDS",
     "FORCE_RELEASE",
     "PURGE",
     "RELEASE",
@@ -41,11 +29,12 @@ __all__ = [
 CLAIM_ARGC = 6
 """ARGV values per claimed message (CLAIM and CLAIM_MANY)."""
 
-FIELDS = ("s", "o", "l", "a", "c", "p", "b", "h", "r")
-"""The values of a record, in their stored order."""
-
-# split(record): the values of a record as a Lua table. Lua 5.1 patterns spell NUL "%z".
-_SPLIT_FUNCTION = """
+# The positions of RECORD_FIELDS, and split(record): the values of a record as a Lua table.
+# Lua 5.1 patterns spell NUL "%z".
+_RECORD_FUNCTIONS = """
+local STATUS, OWNER, LEASE_UNTIL_MS, ATTEMPTS = 1, 2, 3, 4
+local PROCESSED_MS, PAYLOAD_HASH, RESULT = 6, 8, 9
+local FIELD_COUNT = 9
 local function split(record)
   local v = {}
   for value in string.gmatch(record .. '\\0', '([^%z]*)%z') do
@@ -57,33 +46,35 @@ end
 
 # claim(key, owner, now_ms, lease_until_ms, gc_ms, business_id, payload_hash)
 # Returns 1 when `owner` now holds the record, else the stored record itself, so a duplicate
-# costs no second command and the server no re-encoding.
+# needs no second command.
 _CLAIM_FUNCTION = (
-    _SPLIT_FUNCTION
+    _RECORD_FUNCTIONS
     + """
 local function claim(key, owner, now_ms, until_ms, gc_ms, business_id, payload_hash)
   local cur = redis.call('GET', key)
   if not cur then
     -- GC only (PX): a crashed worker's record must outlive its lease (so a redelivery can see
     -- and take it over) and then disappear; the lease itself is judged on the guard's clock.
+    -- status, owner, lease_until_ms, attempts, created_ms, processed_ms, business_id,
+    -- payload_hash, result: the same fresh record records.format_record writes.
     redis.call('SET', key, table.concat(
       {'0', owner, until_ms, '1', now_ms, '', business_id, payload_hash, ''}, '\\0'),
       'PX', gc_ms)
     return 1
   end
-  if string.byte(cur, 1) ~= 48 then return cur end  -- not "0" PROCESSING: PROCESSED (or junk)
+  if string.sub(cur, 1, 2) ~= '0\\0' then return cur end  -- PROCESSED (or not a record)
   local v = split(cur)
   -- Our own claim, replayed by a client retry after a lost reply: still ours.
-  if v[2] == owner then return 1 end
-  local stored_hash = v[8] or ''
+  if v[OWNER] == owner then return 1 end
+  local stored_hash = v[PAYLOAD_HASH] or ''
   local same_payload = stored_hash == '' or payload_hash == '' or stored_hash == payload_hash
   -- Takeover only of an expired lease, and never for another payload under the same id:
   -- handing back the record lets the guard raise PayloadMismatchError instead.
-  if #v == 9 and tonumber(v[3]) <= tonumber(now_ms) and same_payload then
-    v[2] = owner
-    v[3] = until_ms
-    v[4] = tostring(tonumber(v[4]) + 1)
-    if stored_hash == '' then v[8] = payload_hash end
+  if #v == FIELD_COUNT and tonumber(v[LEASE_UNTIL_MS]) <= tonumber(now_ms) and same_payload then
+    v[OWNER] = owner
+    v[LEASE_UNTIL_MS] = until_ms
+    v[ATTEMPTS] = tostring(tonumber(v[ATTEMPTS]) + 1)
+    if stored_hash == '' then v[PAYLOAD_HASH] = payload_hash end
     redis.call('SET', key, table.concat(v, '\\0'), 'PX', gc_ms)
     return 1
   end
@@ -123,7 +114,8 @@ return out
 
 COMPLETE = LuaScript(
     "complete",
-    """
+    _RECORD_FUNCTIONS
+    + """
 -- KEYS[1] record
 -- ARGV[1] owner  ARGV[2] result JSON text  ARGV[3] now_ms  ARGV[4] ttl_ms (retention)
 -- Returns 1 when the record is PROCESSED by ARGV[1] (now, or already by a replayed call);
@@ -135,19 +127,18 @@ local head = '0\\0' .. ARGV[1] .. '\\0'
 if string.sub(cur, 1, #head) ~= head then
   return string.sub(cur, 1, #head) == '1\\0' .. ARGV[1] .. '\\0' and 1 or 0
 end
--- ARGV[1]'s PROCESSING record, s o l a c p b h r with p and r empty, becomes
--- 1 o '' a c now b h result: spliced at the NULs that end l, a and c rather than split into
--- nine strings and joined again (once per message: the split and join were a quarter of it).
-local l_end = string.find(cur, '\\0', #head + 1, true)
-local a_end = l_end and string.find(cur, '\\0', l_end + 1, true)
-local c_end = a_end and string.find(cur, '\\0', a_end + 1, true)
-if not c_end or string.byte(cur, c_end + 1) ~= 0 or string.byte(cur, -1) ~= 0 then
+-- ARGV[1]'s PROCESSING record: every value kept but the four that completing sets. A record
+-- that is not the nine values of a claim is left as it is, so nothing is written that no
+-- reader could parse.
+local v = split(cur)
+if #v ~= FIELD_COUNT or v[PROCESSED_MS] ~= '' or v[RESULT] ~= '' then
   return redis.error_reply('malformed idemq record')
 end
-redis.call('SET', KEYS[1],
-  '1\\0' .. ARGV[1] .. '\\0' .. string.sub(cur, l_end, c_end) .. ARGV[3]
-    .. string.sub(cur, c_end + 1) .. ARGV[2],
-  'PX', ARGV[4])
+v[STATUS] = '1'
+v[LEASE_UNTIL_MS] = ''
+v[PROCESSED_MS] = ARGV[3]
+v[RESULT] = ARGV[2]
+redis.call('SET', KEYS[1], table.concat(v, '\\0'), 'PX', ARGV[4])
 return 1
 """,
 )
@@ -159,6 +150,7 @@ RELEASE = LuaScript(
 -- ARGV[1] owner
 -- Returns 1 when the PROCESSING record of ARGV[1] was deleted, 0 (no-op) otherwise: a worker
 -- whose lease was taken over must not delete the new owner's claim.
+-- A record starts with its status and owner: "0" NUL owner NUL is ARGV[1]'s PROCESSING one.
 local cur = redis.call('GET', KEYS[1])
 local mine = '0\\0' .. ARGV[1] .. '\\0'
 if cur and string.sub(cur, 1, #mine) == mine then
@@ -188,7 +180,7 @@ return 0
 
 PURGE = LuaScript(
     "purge",
-    _SPLIT_FUNCTION
+    _RECORD_FUNCTIONS
     + """
 -- KEYS[i] candidate records (found by SCAN, so possibly changed since)
 -- ARGV[1] cutoff_ms: delete PROCESSED records processed before it
@@ -199,8 +191,8 @@ local n = 0
 for i = 1, #KEYS do
   local cur = redis.call('GET', KEYS[i])
   if cur and string.sub(cur, 1, 2) == '1\\0' then
-    local v = split(cur)
-    if tonumber(v[6] or '') and tonumber(v[6]) < tonumber(ARGV[1]) then
+    local processed_ms = tonumber(split(cur)[PROCESSED_MS] or '')
+    if processed_ms and processed_ms < tonumber(ARGV[1]) then
       redis.call('DEL', KEYS[i])
       n = n + 1
     end

@@ -1,0 +1,38 @@
+"""mask_url: the one masker of every URL idemq logs or puts in an error message."""
+
+from __future__ import annotations
+
+import pytest
+
+from idemq.brokers import base as brokers_base
+from idemq.drivers.urls import mask_url
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("amqp://guest:secret@127.0.0.1:5672/", "amqp://guest:***@127.0.0.1:5672/"),
+        ("postgresql+psycopg://u:p@db/test", "postgresql+psycopg://u:***@db/test"),
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("embedded:///tmp/q.db", "embedded:///tmp/q.db"),
+        ("embedded:///tmp/a@b.db", "embedded:///tmp/a@b.db"),
+        ("redis://:hunter2@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+        ("nats://hunter2@127.0.0.1:4222", "nats://***@127.0.0.1:4222"),
+        ("redis://u:hun@ter2@h:1/0?x=1", "redis://u:***@h:1/0?x=1"),
+        ("redis://u:hun:ter2@h/0", "redis://u:***@h/0"),
+        ("rediss://u:hunter2@[::1]:6380/0", "rediss://u:***@[::1]:6380/0"),
+        ("redis://u:hunter2@h:not-a-port/0", "redis://u:***@h:not-a-port/0"),
+        ("u:hunter2@h/0", "***@h/0"),
+    ],
+)
+def test_mask_url(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+@pytest.mark.parametrize("url", ["redis://u:hunter2@[::1/0", "http://[hunter2", ""])
+def test_malformed_urls_never_raise_nor_leak(url: str) -> None:
+    assert "hunter2" not in mask_url(url)
+
+
+def test_the_brokers_mask_is_the_same_function() -> None:
+    assert brokers_base.mask_url is mask_url
