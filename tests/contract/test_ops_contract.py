@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 import idemq
-from idemq.stores.base import ClaimRequest, Key, RecordStatus, StoreStats
+from idemq.stores.base import ClaimRequest, ForgetResult, Key, RecordStatus, StoreStats
+from tests.conftest import unique
 from tests.contract.conftest import FakeClock
 
 LEASE_MS = 30_000
@@ -143,3 +144,32 @@ async def test_async_twins_answer_the_same(kind: str, tmp_path: Path, clock: Fak
         assert (await store.stats(now_ms=clock())).processing == 0
     finally:
         await dispose(store)
+
+
+def test_forget_lets_a_processed_message_run_again(store, clock):
+    guard = idemq.Idempotency(
+        store, consumer=unique("c"), mode="lease", clock=clock, local_cache=10
+    )
+    runs = []
+    guard.process("M1", lambda _tx: runs.append(1))
+    assert guard.process("M1", lambda _tx: runs.append(1)).status is idemq.Status.DUPLICATE
+    assert guard.forget("M1") is ForgetResult.FORGOTTEN
+    assert guard.process("M1", lambda _tx: runs.append(1)).status is idemq.Status.PROCESSED
+    assert runs == [1, 1]  # the local cache forgot it too
+    assert guard.forget("never seen") is ForgetResult.NOT_FOUND
+
+
+def test_forget_refuses_a_live_lease_unless_forced(store, clock):
+    consumer = unique("c")
+    guard = idemq.Idempotency(store, consumer=consumer, mode="lease", lease_s=30, clock=clock)
+    request = ClaimRequest(Key(consumer, "M1"), None, None, "f" * 32, clock(), 30_000)
+    assert store.claim(request).acquired  # another worker is mid-effect
+    assert guard.forget("M1") is ForgetResult.LIVE_LEASE
+    assert store.get("M1", consumer) is not None
+    clock.advance(30_001)  # its lease ran out: a stuck claim, which forget may clear
+    assert guard.forget("M1") is ForgetResult.FORGOTTEN
+    assert store.claim(
+        ClaimRequest(Key(consumer, "M2"), None, None, "f" * 32, clock(), 30_000)
+    ).acquired
+    assert guard.forget("M2", force=True) is ForgetResult.FORGOTTEN
+    assert store.get("M2", consumer) is None

@@ -172,3 +172,22 @@ def test_release_needs_a_consumer_when_several_hold_the_id(
 def test_store_naming_flags_must_match_the_store(capsys: pytest.CaptureFixture[str]) -> None:
     code, _ = run(capsys, "stats", "--store", "sqlite://", "--prefix", "x")
     assert code == cli.EXIT_USAGE
+
+
+def test_forget_lets_a_message_run_again_and_refuses_a_live_lease(
+    target: Store, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed(target.store)
+    code, answer = run(capsys, "forget", "ORDER_1", "--consumer", "orders", *target.args, "--json")
+    assert (code, answer["result"]) == (cli.EXIT_OK, "forgotten")
+    guard = idemq.Idempotency(target.store, consumer="orders", mode="lease")
+    runs: list[int] = []
+    assert guard.process("ORDER_1", lambda _tx: runs.append(1)).status is idemq.Status.PROCESSED
+    assert runs == [1]
+    code, _ = run(capsys, "forget", "LIVE", "--consumer", "orders", *target.args)
+    assert code == cli.EXIT_REFUSED
+    assert target.store.get("LIVE", "orders") is not None
+    code, _ = run(capsys, "forget", "LIVE", "--consumer", "orders", "--force", *target.args)
+    assert code == cli.EXIT_OK
+    code, _ = run(capsys, "forget", "NOPE", "--consumer", "orders", *target.args)
+    assert code == cli.EXIT_NOT_FOUND

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from idemq.stores import admin
 from idemq.stores.admin import record_dict
+from idemq.stores.base import ForgetResult
 
 __all__ = [
     "EXIT_ABORTED",
@@ -32,6 +33,7 @@ __all__ = [
     "cmd_id_parse",
     "cmd_inspect",
     "cmd_publish",
+    "cmd_forget",
     "cmd_purge",
     "cmd_release",
     "cmd_schema",
@@ -257,6 +259,30 @@ def cmd_release(args: argparse.Namespace) -> int:
     else:
         err_console.print(f"{args.id!r} was completed or released meanwhile: nothing done")
     return EXIT_OK if released else EXIT_REFUSED
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
+    try:
+        result = store.forget(args.id, args.consumer, force=args.force)
+    finally:
+        store.close()
+    if args.json:
+        _print_json({"message_id": args.id, "consumer": args.consumer, "result": result.value})
+    elif result is ForgetResult.FORGOTTEN:
+        console.print(f"forgot {args.id!r} ({args.consumer}): its next delivery runs again")
+    elif result is ForgetResult.NOT_FOUND:
+        err_console.print(f"no record of message id {args.id!r} for consumer {args.consumer!r}")
+    else:
+        err_console.print(
+            f"refusing: a worker holds a live lease on {args.id!r} and may be mid-effect; "
+            "wait for it to expire, or pass --force"
+        )
+    return {
+        ForgetResult.FORGOTTEN: EXIT_OK,
+        ForgetResult.NOT_FOUND: EXIT_NOT_FOUND,
+        ForgetResult.LIVE_LEASE: EXIT_REFUSED,
+    }[result]
 
 
 def cmd_purge(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from idemq.cli.commands import (
     EXIT_USAGE,
     cmd_chaos,
     cmd_demo,
+    cmd_forget,
     cmd_id_new,
     cmd_id_parse,
     cmd_inspect,
@@ -78,7 +79,7 @@ def _add_store_naming(command: argparse.ArgumentParser) -> None:
 
 
 def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
-    """``stats`` and ``release``: what on-call engineers run (see README "Operations")."""
+    """``stats``, ``release`` and ``forget``: what on-call engineers run."""
     stats = add("stats", cmd_stats, "records by status, oldest, stuck leases, size of a store")
     stats.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
     stats.add_argument("--json", action="store_true")
@@ -90,6 +91,15 @@ def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     release.add_argument("--json", action="store_true")
     _add_store_naming(release)
+    forget = add("forget", cmd_forget, "forget a message: its next delivery runs again")
+    forget.add_argument("id")
+    forget.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    forget.add_argument("--consumer", default="default", help="whose record (default: default)")
+    forget.add_argument(
+        "--force", action="store_true", help="also a live lease (its worker may be mid-effect)"
+    )
+    forget.add_argument("--json", action="store_true")
+    _add_store_naming(forget)
 
 
 def _add_batch_flags(worker: argparse.ArgumentParser) -> None:

@@ -116,11 +116,18 @@ class GuardBase(Generic[S]):
         wait_s: float = 0.0,
         local_cache: int = 0,
         local_cache_ttl_s: float = 300.0,
+        renew: bool = True,
     ) -> None:
         transactional = isinstance(store, self._transactional_protocol)
         mode = _mode_for(store, mode, transactional)
         self.policy = Policy.build(
-            consumer=consumer, mode=mode, lease_s=lease_s, clock=clock, codec=codec, wait_s=wait_s
+            consumer=consumer,
+            mode=mode,
+            lease_s=lease_s,
+            clock=clock,
+            codec=codec,
+            wait_s=wait_s,
+            renew=renew,
         )
         # Metrics/tracing/logging hooks (idemq.observe); None costs one check per message.
         self.observer = observer

@@ -1,9 +1,10 @@
 """What a handler can know about the message it is running for, without being passed it.
 
 While a guard runs a handler, :func:`current_message` returns the :class:`HandlerContext` of that
-run: the consumer, the message id and the claim's owner token. Code deep inside the handler — an
-outbox ``add``, a call to another service that should carry the message id on — reads it from
-here instead of threading it through every signature. Outside a guarded handler it is ``None``.
+run: the consumer, the message id, the claim's owner token, and whether its lease was lost.
+Code deep inside the handler — an outbox ``add``, a call to another service that should carry
+the message id on — reads it from here instead of threading it through every signature.
+Outside a guarded handler it is ``None``.
 
 It lives in a :class:`contextvars.ContextVar`, so each thread and each asyncio task sees its own:
 two handlers running side by side never see each other's message.
@@ -12,6 +13,7 @@ two handlers running side by side never see each other's message.
 from __future__ import annotations
 
 import itertools
+import threading
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 
@@ -31,10 +33,25 @@ class HandlerContext:
     message_id: str
     owner: str
     _counter: itertools.count[int] = field(default_factory=itertools.count, repr=False)
+    _lost: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def next_index(self) -> int:
         """The next number of this run (0 for the first call)."""
         return next(self._counter)
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a renewal found this run's claim taken over or gone (lease mode): the
+        effect must not be made now, or only through a guard that refuses a stale owner."""
+        return self._lost.is_set()
+
+    def wait_lease_lost(self, timeout_s: float | None = None) -> bool:
+        """Block until the lease is lost or ``timeout_s`` passed; True when it was lost."""
+        return self._lost.wait(timeout_s)
+
+    def mark_lease_lost(self) -> None:
+        """Say the claim is lost (the guard's renewal calls this)."""
+        self._lost.set()
 
 
 _CURRENT: ContextVar[HandlerContext | None] = ContextVar("idemq_handler_context", default=None)

@@ -151,6 +151,12 @@ class Policy:
     clock: Clock
     codec: Codec[Any] = field(default_factory=JsonCodec)
     wait_ms: int = 0  # lease mode: how long a duplicate waits for a live claim to finish
+    renew: bool = True  # lease mode: renew the claim while its handler runs
+
+    @property
+    def renews(self) -> bool:
+        """Whether a running handler's claim is renewed (lease mode with ``renew``)."""
+        return self.renew and self.mode is Mode.LEASE
 
     @classmethod
     def build(
@@ -162,6 +168,7 @@ class Policy:
         clock: Clock | None,
         codec: Codec[Any] | None = None,
         wait_s: float = 0.0,
+        renew: bool = True,
     ) -> Policy:
         """Validated settings (:class:`~idemq.ConfigurationError` for anything off)."""
         if not isinstance(consumer, str) or not 0 < len(consumer) <= MAX_MESSAGE_ID_CHARS:
@@ -185,6 +192,7 @@ class Policy:
             clock or system_clock_ms,
             codec or JsonCodec(),
             round(wait_s * 1000),
+            bool(renew),
         )
 
     def encode(self, result: object) -> str:

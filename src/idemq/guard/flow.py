@@ -38,6 +38,7 @@ from idemq.guard.codec import NULL_RESULT
 from idemq.guard.context import HandlerContext
 from idemq.guard.core import CLAIM_ATTEMPTS, Mode, Outcome, Policy, Status, judge
 from idemq.guard.probes import Probe, claim_status
+from idemq.guard.renewal import LeaseTerms
 from idemq.stores.base import Claim as StoredClaim
 from idemq.stores.base import ClaimRequest, Key
 
@@ -199,6 +200,7 @@ class RunHandler:
 
     message: Any
     context: HandlerContext
+    lease: LeaseTerms | None = None  # lease mode: the claim to renew while the handler runs
 
 
 Step: TypeAlias = StoreStep | RunHandler | Pause
@@ -225,9 +227,9 @@ def run_handler(
     if probe is not None:
         probe.handler_started()
     key = request.key
-    ok, value = yield RunHandler(
-        message, HandlerContext(key.consumer, key.message_id, request.owner)
-    )
+    context = HandlerContext(key.consumer, key.message_id, request.owner)
+    lease = LeaseTerms(key, request.owner, policy.lease_ms) if policy.renews else None
+    ok, value = yield RunHandler(message, context, lease)
     if probe is not None:
         probe.handler_done(None if ok else value)
     if not ok:

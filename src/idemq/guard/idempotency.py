@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar, cast
 
 from idemq._plan import drive
@@ -20,8 +21,9 @@ from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
 from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
+from idemq.guard.renewal import LeaseKeeper
 from idemq.message import Message
-from idemq.stores.base import Store, TransactionalStore
+from idemq.stores.base import ForgetResult, Store, TransactionalStore
 
 __all__ = ["Idempotency"]
 
@@ -37,6 +39,7 @@ class Idempotency(GuardBase[Store]):
     """
 
     _transactional_protocol = TransactionalStore
+    _keeper: LeaseKeeper | None = None
 
     def process(
         self,
@@ -112,7 +115,28 @@ class Idempotency(GuardBase[Store]):
 
         return decorate
 
+    def forget(self, message_id: str, *, force: bool = False) -> ForgetResult:
+        """Forget that ``message_id`` was processed (or claimed): its next delivery runs again.
+
+        For a message whose effect was undone by hand, or a stuck claim an operator has checked.
+        A live lease is refused (:attr:`~idemq.stores.base.ForgetResult.LIVE_LEASE`) unless
+        ``force``: its holder may be in the middle of the effect.
+        """
+        if self.cache is not None:
+            self.cache.forget(message_id)
+        return self.store.forget(
+            message_id, self.policy.consumer, force=force, now_ms=self.policy.clock()
+        )
+
     # -- carrying the steps out ------------------------------------------------------------
+
+    def _keeping(self, step: RunHandler) -> AbstractContextManager[None]:
+        """The claim of ``step`` renewed while its handler runs (a no-op without a lease)."""
+        if step.lease is None:
+            return nullcontext()
+        if self._keeper is None:
+            self._keeper = LeaseKeeper(self.store.renew, self.policy.clock)
+        return self._keeper.keeping(step.lease, step.context)
 
     def _run(
         self,
@@ -142,7 +166,8 @@ class Idempotency(GuardBase[Store]):
         if isinstance(step, RunHandler):
             token = context.enter(step.context)
             try:
-                return True, handler(step.message, tx)
+                with self._keeping(step):
+                    return True, handler(step.message, tx)
             except BaseException as exc:  # the flow decides; it re-raises what must go on
                 return False, exc
             finally:

@@ -14,14 +14,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 from idemq._plan import adrive
-from idemq.errors import StoreConflictError
+from idemq.errors import LeaseLostError, StoreConflictError
 from idemq.guard import context
 from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
 from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
+from idemq.guard.renewal import keep_async
 from idemq.message import Message
-from idemq.stores.base import AsyncStore, AsyncTransactionalStore
+from idemq.stores.base import AsyncStore, AsyncTransactionalStore, ForgetResult
 
 __all__ = ["AsyncIdempotency"]
 
@@ -92,7 +93,41 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
 
         return decorate
 
+    async def forget(self, message_id: str, *, force: bool = False) -> ForgetResult:
+        """Forget that ``message_id`` was processed (or claimed): its next delivery runs again.
+
+        For a message whose effect was undone by hand, or a stuck claim an operator has checked.
+        A live lease is refused (:attr:`~idemq.stores.base.ForgetResult.LIVE_LEASE`) unless
+        ``force``: its holder may be in the middle of the effect.
+        """
+        if self.cache is not None:
+            self.cache.forget(message_id)
+        return await self.store.forget(
+            message_id, self.policy.consumer, force=force, now_ms=self.policy.clock()
+        )
+
     # -- carrying the steps out ------------------------------------------------------------
+
+    async def _renewing(self, step: RunHandler, awaitable: Awaitable[Any]) -> Any:
+        """Await the handler while its claim is renewed; a lost claim cancels it and is
+        reported as :class:`~idemq.LeaseLostError`."""
+        if step.lease is None:
+            return await awaitable
+        running = asyncio.ensure_future(awaitable)
+        keeper = asyncio.create_task(
+            keep_async(self.store.renew, self.policy.clock, step.lease, step.context, running)
+        )
+        try:
+            return await running
+        except asyncio.CancelledError as exc:
+            if not step.context.lease_lost:
+                raise  # the caller was cancelled, not the lease lost
+            raise LeaseLostError(
+                f"lease on {step.lease.key.message_id!r} was lost while its handler ran; "
+                "the handler was cancelled"
+            ) from exc
+        finally:
+            keeper.cancel()
 
     async def _run(
         self,
@@ -121,7 +156,9 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
             token = context.enter(step.context)
             try:
                 result = handler(step.message, tx)
-                return True, (await result) if inspect.isawaitable(result) else result
+                if inspect.isawaitable(result):
+                    result = await self._renewing(step, result)
+                return True, result
             except BaseException as exc:  # the flow decides; it re-raises what must go on
                 return False, exc
             finally:

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "DEFAULT_CONSUMER",
     "AsyncStore",
+    "ForgetResult",
     "AsyncTransactionalStore",
     "Claim",
     "ClaimRequest",
@@ -45,6 +46,14 @@ MILLISECOND = timedelta(milliseconds=1)
 """``epoch + MILLISECOND * ms``: a stored epoch-ms time as a datetime. Exact integer arithmetic,
 and the cheapest form (a third less than ``timedelta(0, 0, 0, ms)``); claims and duplicates
 convert one or two per message."""
+
+
+class ForgetResult(enum.StrEnum):
+    """What :meth:`Store.forget` did."""
+
+    FORGOTTEN = "forgotten"  # the record is gone: the message will run again if delivered
+    NOT_FOUND = "not_found"  # there was no record
+    LIVE_LEASE = "live_lease"  # refused: a worker holds a live lease on it (use force)
 
 
 class RecordStatus(enum.IntEnum):
@@ -170,6 +179,10 @@ class Store(Protocol):
     def release(self, key: Key, owner: str) -> None:
         """Delete the PROCESSING record if ``owner`` still holds it; otherwise do nothing."""
 
+    def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
+        """Extend ``owner``'s live claim to ``lease_until_ms``; False when ``owner`` no longer
+        holds it (taken over, released, completed or gone)."""
+
     def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None: ...
 
     def find(self, message_id: str) -> list[Record]:
@@ -191,6 +204,21 @@ class Store(Protocol):
         """Operator's override: delete the PROCESSING record whoever owns it; True if deleted.
 
         A PROCESSED record is never touched (deleting it would let the message run twice)."""
+
+    def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult:
+        """Delete the record of ``message_id`` so the message runs again when it is delivered.
+
+        A PROCESSED record or an expired claim is deleted; a live lease (at ``now_ms``, default
+        the store's clock) only with ``force`` — its holder may be mid-effect. Decided on the
+        server, atomically: a record that changes between an operator's look and this call is
+        judged as it is then."""
 
     def close(self) -> None: ...
 
@@ -232,6 +260,8 @@ class AsyncStore(Protocol):
 
     async def release(self, key: Key, owner: str) -> None: ...
 
+    async def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool: ...
+
     async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None: ...
 
     async def find(self, message_id: str) -> list[Record]: ...
@@ -245,6 +275,15 @@ class AsyncStore(Protocol):
     async def stats(self, *, now_ms: int | None = None) -> StoreStats: ...
 
     async def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool: ...
+
+    async def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult: ...
 
     async def close(self) -> None: ...
 

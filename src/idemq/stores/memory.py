@@ -18,6 +18,7 @@ from idemq.stores.base import (
     DEFAULT_CONSUMER,
     Claim,
     ClaimRequest,
+    ForgetResult,
     Key,
     Record,
     RecordStatus,
@@ -170,6 +171,38 @@ class MemoryStore:
                 return False
             del self._records[key]
             return True
+
+    def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
+        """See :meth:`idemq.stores.base.Store.renew`."""
+        with self._lock:
+            current = self._records.get(key)
+            if current is None or current.status is not RecordStatus.PROCESSING:
+                return False
+            if current.owner != owner:
+                return False
+            self._records[key] = replace(current, lease_until_ms=lease_until_ms)
+            return True
+
+    def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult:
+        """See :meth:`idemq.stores.base.Store.forget`."""
+        now = system_clock_ms() if now_ms is None else now_ms
+        key = Key(consumer, message_id)
+        with self._lock:
+            current = self._records.get(key)
+            if current is None:
+                return ForgetResult.NOT_FOUND
+            live = current.status is RecordStatus.PROCESSING and not current.lease_expired(now)
+            if live and not force:
+                return ForgetResult.LIVE_LEASE
+            del self._records[key]
+            return ForgetResult.FORGOTTEN
 
     def close(self) -> None:
         """Nothing to close."""

@@ -20,6 +20,7 @@ from idemq.errors import ConfigurationError, InvalidInputError, LeaseLostError, 
 from idemq.stores.base import (
     Claim,
     ClaimRequest,
+    ForgetResult,
     Key,
     Record,
     RecordStatus,
@@ -32,8 +33,10 @@ from idemq.stores.redis.scripts import (
     CLAIM_MANY,
     COMPLETE,
     FORCE_RELEASE,
+    FORGET,
     PURGE,
     RELEASE,
+    RENEW,
 )
 
 __all__ = [
@@ -44,10 +47,12 @@ __all__ = [
     "complete",
     "find",
     "force_release",
+    "forget",
     "get",
     "in_progress",
     "purge",
     "release",
+    "renew",
     "stats",
 ]
 
@@ -175,6 +180,13 @@ def complete(layout: Layout, key: Key, owner: str, result: str, now_ms: int) -> 
         )
 
 
+def renew(layout: Layout, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> Op[bool]:
+    """Extend ``owner``'s lease to ``lease_until_ms``; False when ``owner`` lost the claim."""
+    gc_ms = max(lease_until_ms - now_ms, 1) + layout.ttl_ms
+    reply = yield RunScript(RENEW, (layout.key(key),), (owner, lease_until_ms, gc_ms))
+    return bool(reply == 1)
+
+
 def release(layout: Layout, key: Key, owner: str) -> Op[None]:
     """Delete ``owner``'s PROCESSING record (a no-op for anyone else)."""
     yield RunScript(RELEASE, (layout.key(key),), (owner,))
@@ -257,6 +269,14 @@ def force_release(layout: Layout, key: Key) -> Op[bool]:
     """Delete ``key``'s PROCESSING record whoever owns it; True if one was deleted."""
     deleted = yield RunScript(FORCE_RELEASE, (layout.key(key),), ())
     return bool(deleted == 1)
+
+
+def forget(layout: Layout, key: Key, *, force: bool, now_ms: int) -> Op[ForgetResult]:
+    """Delete ``key``'s record unless it is a live lease (or ``force``)."""
+    reply = yield RunScript(FORGET, (layout.key(key),), (now_ms, "1" if force else "0"))
+    return {1: ForgetResult.FORGOTTEN, 0: ForgetResult.NOT_FOUND}.get(
+        int(reply), ForgetResult.LIVE_LEASE
+    )
 
 
 def stats(layout: Layout, now_ms: int) -> Op[StoreStats]:

@@ -22,8 +22,10 @@ __all__ = [
     "CLAIM_MANY",
     "COMPLETE",
     "FORCE_RELEASE",
+    "FORGET",
     "PURGE",
     "RELEASE",
+    "RENEW",
 ]
 
 CLAIM_ARGC = 6
@@ -143,6 +145,27 @@ return 1
 """,
 )
 
+RENEW = LuaScript(
+    "renew",
+    _RECORD_FUNCTIONS
+    + """
+-- KEYS[1] record
+-- ARGV[1] owner  ARGV[2] lease_until_ms  ARGV[3] gc_ms (lease left plus the retention ttl)
+-- Returns 1 when ARGV[1] still holds the PROCESSING record and its lease now runs to ARGV[2],
+-- 0 when ARGV[1] lost it (taken over, released, expired away): a worker must learn it lost
+-- the claim before it completes, not by overwriting the new owner's record.
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+local head = '0\\0' .. ARGV[1] .. '\\0'
+if string.sub(cur, 1, #head) ~= head then return 0 end
+local v = split(cur)
+if #v ~= FIELD_COUNT then return redis.error_reply('malformed idemq record') end
+v[LEASE_UNTIL_MS] = ARGV[2]
+redis.call('SET', KEYS[1], table.concat(v, '\\0'), 'PX', ARGV[3])
+return 1
+""",
+)
+
 RELEASE = LuaScript(
     "release",
     """
@@ -175,6 +198,26 @@ if cur and string.sub(cur, 1, 2) == '0\\0' then
   return 1
 end
 return 0
+""",
+)
+
+FORGET = LuaScript(
+    "forget",
+    _RECORD_FUNCTIONS
+    + """
+-- KEYS[1] record
+-- ARGV[1] now_ms  ARGV[2] force ('1' or '0')
+-- Returns 1 when the record was deleted, 0 when there was none, -1 when it is a live lease and
+-- force was not given (refused: its holder may be mid-effect). Judged here, not in the client:
+-- between an operator's look and this call the record may have been claimed again.
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+if ARGV[2] ~= '1' and string.sub(cur, 1, 2) == '0\\0' then
+  local lease_until_ms = tonumber(split(cur)[LEASE_UNTIL_MS] or '')
+  if lease_until_ms and lease_until_ms > tonumber(ARGV[1]) then return -1 end
+end
+redis.call('DEL', KEYS[1])
+return 1
 """,
 )
 

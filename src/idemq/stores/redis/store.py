@@ -45,7 +45,15 @@ from idemq.drivers.redis import (
     redis_client,
     require_utf8,
 )
-from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, StoreStats
+from idemq.stores.base import (
+    DEFAULT_CONSUMER,
+    Claim,
+    ClaimRequest,
+    ForgetResult,
+    Key,
+    Record,
+    StoreStats,
+)
 from idemq.stores.redis import ops
 
 __all__ = ["DEFAULT_SOCKET_TIMEOUT_S", "DEFAULT_TTL_S", "AsyncRedisStore", "RedisStore"]
@@ -124,6 +132,11 @@ class RedisStore(_RedisStoreBase):
         """Delete ``owner``'s PROCESSING record so the message can be retried; else no-op."""
         drive(ops.release(self._layout, key, owner), self._execute)
 
+    def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
+        """Extend ``owner``'s lease to ``lease_until_ms``; False when ``owner`` lost the claim."""
+        op = ops.renew(self._layout, key, owner, lease_until_ms, now_ms)
+        return drive(op, self._execute)
+
     def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
         """The record of ``message_id`` for ``consumer``, or ``None``."""
         return drive(ops.get(self._layout, Key(consumer, message_id)), self._execute)
@@ -153,6 +166,19 @@ class RedisStore(_RedisStoreBase):
     def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
         """Delete the PROCESSING record whoever owns it (never a PROCESSED one); True if done."""
         return drive(ops.force_release(self._layout, Key(consumer, message_id)), self._execute)
+
+    def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult:
+        """See :meth:`idemq.stores.base.Store.forget` (one Lua call)."""
+        key = Key(consumer, message_id)
+        now = self._clock() if now_ms is None else now_ms
+        return drive(ops.forget(self._layout, key, force=force, now_ms=now), self._execute)
 
     def close(self) -> None:
         """Close the client if this store created it from a URL."""
@@ -201,6 +227,11 @@ class AsyncRedisStore(_RedisStoreBase):
         """See :meth:`RedisStore.release`."""
         await adrive(ops.release(self._layout, key, owner), self._execute)
 
+    async def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
+        """See :meth:`RedisStore.renew`."""
+        op = ops.renew(self._layout, key, owner, lease_until_ms, now_ms)
+        return await adrive(op, self._execute)
+
     async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
         """See :meth:`RedisStore.get`."""
         return await adrive(ops.get(self._layout, Key(consumer, message_id)), self._execute)
@@ -229,6 +260,19 @@ class AsyncRedisStore(_RedisStoreBase):
         """See :meth:`RedisStore.force_release`."""
         key = Key(consumer, message_id)
         return await adrive(ops.force_release(self._layout, key), self._execute)
+
+    async def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult:
+        """See :meth:`RedisStore.forget`."""
+        key = Key(consumer, message_id)
+        now = self._clock() if now_ms is None else now_ms
+        return await adrive(ops.forget(self._layout, key, force=force, now_ms=now), self._execute)
 
     async def close(self) -> None:
         """Close the client if this store created it from a URL."""

@@ -1,0 +1,137 @@
+"""Lease renewal on every store: a handler longer than its lease keeps it, and one whose lease
+was lost anyway is told, and cannot complete.
+
+Real time: renewal is a thread (or task) racing the handler and a would-be taker, which is the
+point. Leases are 1.5 s and handlers 3-4 s, so each handler outlives its lease twice over while
+a renewal every 0.5 s keeps it, with room for a loaded machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import idemq
+from idemq.guard.context import current_message
+from idemq.stores.base import ForgetResult
+from tests.conftest import REDIS_URL, require_service, unique
+
+LEASE_S = 1.5
+
+
+def guard_of(store: Any, consumer: str, **options: Any) -> idemq.Idempotency:
+    return idemq.Idempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S, **options)
+
+
+def test_a_handler_longer_than_its_lease_keeps_it_and_runs_once(store):
+    consumer = unique("c")
+    holder, rival = guard_of(store, consumer), guard_of(store, consumer)
+    runs: list[str] = []
+    started = threading.Event()
+
+    def slow(_tx: Any) -> str:
+        runs.append("holder")
+        started.set()
+        time.sleep(2.5 * LEASE_S)
+        return "done"
+
+    first: list[idemq.Outcome[Any]] = []
+    thread = threading.Thread(target=lambda: first.append(holder.process("M1", slow)))
+    thread.start()
+    assert started.wait(10)
+    time.sleep(1.5 * LEASE_S)  # past the first lease: without renewal it would be taken over
+    rival_outcome = rival.process("M1", lambda _tx: runs.append("rival"))
+    thread.join(20)
+    assert rival_outcome.status is idemq.Status.IN_PROGRESS
+    assert first[0].status is idemq.Status.PROCESSED
+    assert runs == ["holder"]
+
+
+def test_without_renewal_the_same_handler_is_taken_over(store):
+    # The control: what renewal prevents really happens without it.
+    consumer = unique("c")
+    holder, rival = guard_of(store, consumer, renew=False), guard_of(store, consumer)
+    runs: list[str] = []
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def slow(_tx: Any) -> None:
+        runs.append("holder")
+        started.set()
+        time.sleep(2 * LEASE_S)
+
+    def run() -> None:
+        try:
+            holder.process("M1", slow)
+        except idemq.LeaseLostError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(10)
+    time.sleep(1.3 * LEASE_S)
+    assert rival.process("M1", lambda _tx: runs.append("rival")).status is idemq.Status.PROCESSED
+    thread.join(20)
+    assert runs == ["holder", "rival"]  # two effects: the reason renewal exists
+    assert len(errors) == 1  # and the late complete was refused
+
+
+def test_a_handler_whose_lease_is_lost_is_told_and_cannot_complete(store):
+    consumer = unique("c")
+    guard = guard_of(store, consumer)
+    seen: list[bool] = []
+
+    def handler(_tx: Any) -> None:
+        context = current_message()
+        assert context is not None
+        # An operator (or a takeover) removes the claim while the handler runs.
+        assert store.forget("M1", consumer, force=True) is ForgetResult.FORGOTTEN
+        seen.append(context.wait_lease_lost(3 * LEASE_S))
+
+    with pytest.raises(idemq.LeaseLostError):
+        guard.process("M1", handler)
+    assert seen == [True]
+    assert store.get("M1", consumer) is None  # nothing completed over the gap
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_an_async_handler_whose_lease_is_lost_is_cancelled(kind: str, tmp_path: Any):
+    consumer = unique("c")
+    reached: list[str] = []
+
+    async def main() -> None:
+        store = await async_lease_store(kind, tmp_path)
+        guard = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+
+        async def handler(_tx: Any) -> None:
+            await store.forget("M1", consumer, force=True)
+            try:
+                await asyncio.sleep(5 * LEASE_S)
+            except asyncio.CancelledError:
+                reached.append("cancelled")
+                raise
+            reached.append("finished")  # never: no effect after a lost lease
+
+        try:
+            with pytest.raises(idemq.LeaseLostError):
+                await guard.process("M1", handler)
+        finally:
+            await store.close()
+
+    began = time.monotonic()
+    asyncio.run(main())
+    assert reached == ["cancelled"]
+    assert time.monotonic() - began < 4 * LEASE_S
+
+
+async def async_lease_store(kind: str, tmp_path: Any) -> Any:
+    if kind == "redis":
+        require_service("redis")
+        return idemq.AsyncRedisStore(REDIS_URL, prefix=unique("idemqtest"))
+    store = idemq.AsyncSqlStore(f"sqlite:///{tmp_path / 'idemq.db'}", table=unique("mi"))
+    await store.create_schema()
+    return store
