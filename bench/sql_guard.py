@@ -26,7 +26,9 @@ import pymysql
 import sqlalchemy as sa
 
 import idemq
+from idemq.drivers.sql import Step
 from idemq.guard.core import Policy
+from idemq.stores.sql.dialects import plans_for
 
 PG_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -92,33 +94,60 @@ def raw_loop(backend: Backend, ids: list[str]) -> float:
     return elapsed
 
 
+def driver_form(backend: Backend) -> Callable[[Step], tuple[str, Any]]:
+    """A step of the store's plans as the bare driver takes it: SQL compiled by SQLAlchemy for
+    the driver's named paramstyle, parameters converted by each bind's type (a datetime becomes
+    SQLite's text form)."""
+    paramstyle = "named" if backend.name == "sqlite" else "pyformat"
+    compiling = sa.create_engine(backend.url, paramstyle=paramstyle)
+    with compiling.connect():  # the dialect learns the server (MariaDB's RETURNING)
+        pass
+    dialect = compiling.dialect
+    compiled_sql: dict[int, Any] = {}
+
+    def render(step: Step) -> tuple[str, Any]:
+        compiled = compiled_sql.get(id(step.statement))
+        if compiled is None:
+            compiled = compiled_sql[id(step.statement)] = step.statement.compile(dialect=dialect)
+        params = compiled.construct_params(dict(step.params))
+        for name, bind in compiled.binds.items():
+            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if process is not None:
+                params[name] = process(params[name])
+        return str(compiled), params
+
+    return render
+
+
 def claim_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> float:
     """The raw loop with idemq's own claim in place of the raw INSERT: a bound, not a contender.
 
     The claim inserts the record and, when it loses, hands back the stored one (a duplicate is
-    answered with its result); the raw INSERT reads nothing back. Parameters are built before
-    the clock starts, so no idemq code runs per message: what this loop loses against the raw
-    one, no guard that replays a stored result can win back.
+    answered with its result); the raw INSERT reads nothing back. Statements and parameters are
+    rendered before the clock starts, so no idemq or SQLAlchemy code runs per message: what this
+    loop loses against the raw one, no guard that replays a stored result can win back.
     """
     with store.engine.connect() as probe:  # MariaDB vs MySQL is known once connected
-        ops = store._ops_for(probe.dialect)  # the bound runs the store's own SQL
+        plans = plans_for(probe.dialect, store.table)
+    render = driver_form(backend)
     policy = Policy.build(consumer="bench-claim", mode="transactional", lease_s=30, clock=None)
     requests = [policy.request(message_id, message_id[:64]) for message_id in ids]
-    params = [ops.claim_params(request, True) for request in requests]
-    claim, read = ops.sql_claim[True], ops.sql_get
+    # The first step of each claim plan: the claim statement, with this message's parameters.
+    claims = [render(next(plans.claim(request, True))) for request in requests]
+    reads = [render(next(plans.get(request.key))) for request in requests]
     conn = backend.raw_connect()
     cur = conn.cursor()
     update = f"UPDATE {ACCOUNTS} SET balance = balance - 1 WHERE id = {backend.param}"
     start = time.perf_counter()
-    for request, row in zip(requests, params, strict=True):
+    for request, claim, read in zip(requests, claims, reads, strict=True):
         if backend.name == "sqlite":  # won iff a row changed; a lost claim reads the record
             cur.execute("BEGIN IMMEDIATE")
-            cur.execute(claim, row)
+            cur.execute(*claim)
             won = cur.rowcount == 1
             if not won:
-                cur.execute(read, row).fetchall()
+                cur.execute(*read).fetchall()
         else:  # one round trip: PostgreSQL (1, NULLs) or (0, record); MariaDB (owner, record)
-            cur.execute(claim, row)
+            cur.execute(*claim)
             first = cur.fetchall()[0][0]
             won = first == 1 if backend.name == "postgres" else first == request.owner
         if won:

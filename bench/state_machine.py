@@ -156,7 +156,7 @@ def main() -> None:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'backend':<10}{'pass':<12}{'raw msg/s':>12}{'idemq msg/s':>14}{'ratio':>8}")
     for name in args.only.split(","):
-        # idemq's engine settings (SQLite: WAL, BEGIN IMMEDIATE without engine events).
+        # idemq's engine settings (SQLite: WAL, BEGIN IMMEDIATE from the begin event).
         store = idemq.SqlStore(URLS.get(name) or f"sqlite:///{tempfile.mkdtemp()}/sm.db")
         engine, n = store.engine, args.sqlite_n if name == "sqlite" else args.n
         for phase, (raw, ours) in bench(engine, n, args.repeat).items():

@@ -34,6 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from idemq.business.state_machine import StateMachine, TransitionResult
+from idemq.business.versioned import versioned_update
 from idemq.errors import ConfigurationError, StoreConflictError, StoreError
 from tests.conftest import unique
 
@@ -484,3 +485,61 @@ def test_a_used_machine_pickles_for_process_pools(db: Db) -> None:
     with db.engine.begin() as c:
         assert clone.apply(c, "o1", "ship") is R.APPLIED
     assert db.order()[0] == "SHIPPED"
+
+
+@pytest.mark.parametrize("prefix", ["", "b_", "_b_"])
+def test_columns_named_like_the_guards_own_binds(sql_url: str, prefix: str) -> None:
+    """A column may be called anything a bind of the guard is called (``key``, ``target``,
+    ``b_key`` …): ``Connection.execute`` would turn a parameter named like a column into one
+    more SET entry, so the guards name their binds apart from the table's columns."""
+    md = MetaData()
+    rows = Table(
+        unique("smnames"),
+        md,
+        Column(f"{prefix}key", String(64), primary_key=True),
+        Column(f"{prefix}target", String(32), nullable=False),
+        Column(f"{prefix}fence", BigInteger),
+        Column(f"{prefix}version", Integer, nullable=False),
+        Column(f"{prefix}extra0", String(32)),
+    )
+    engine = make_engine(sql_url)
+    md.create_all(engine)
+    machine = StateMachine(
+        rows.name,
+        f"{prefix}key",
+        f"{prefix}target",
+        states=STATES,
+        transitions={"pay": ("PENDING_PAYMENT", "PAID")},
+        fence_column=f"{prefix}fence",
+    )
+    try:
+        with engine.begin() as c:
+            c.execute(
+                rows.insert().values(
+                    {
+                        f"{prefix}key": "o1",
+                        f"{prefix}target": "PENDING_PAYMENT",
+                        f"{prefix}version": 0,
+                    }
+                )
+            )
+        with engine.begin() as c:
+            extra = {f"{prefix}extra0": "m1"}
+            assert machine.apply(c, "o1", "pay", extra, fence=3) is R.APPLIED
+            assert machine.apply(c, "o1", "pay", fence=3) is R.ALREADY_APPLIED
+            assert versioned_update(
+                c,
+                rows.name,
+                f"{prefix}key",
+                "o1",
+                0,
+                {f"{prefix}extra0": "m2"},
+                f"{prefix}version",
+                fence=4,
+                fence_column=f"{prefix}fence",
+            )
+        with engine.connect() as c:
+            assert tuple(c.execute(select(rows)).one()) == ("o1", "PAID", 4, 1, "m2")
+    finally:
+        md.drop_all(engine)
+        engine.dispose()

@@ -1,65 +1,38 @@
-"""Shared SQL plumbing for the business-row guards (state machine, version CAS).
-
-Three jobs, each done once for both guards and for both the sync and the async flavour:
+"""What the business-row guards (state machine, version CAS) share to build their statements.
 
 * **Identifier validation.** Table and column names end up in SQL text, so they are checked
-  against a strict pattern when a guard is configured; values always travel as bound parameters.
+  against a strict pattern when a guard is configured: a name taken from configuration can never
+  smuggle SQL into a statement. Values always travel as bound parameters.
 * **Statement building** with SQLAlchemy Core's lightweight ``table()``/``column()`` constructs,
   so quoting and placeholder style come from the dialect (SQLite, PostgreSQL, MariaDB alike).
-  Each statement *shape* is built once and compiled once per dialect (:class:`Prepared`); a call
-  only supplies parameters.
-* **Driving a plan.** A guard's logic is written once as a generator that *yields* statements and
-  receives their results (no I/O inside). :func:`run_plan` and :func:`run_plan_async` are the
-  only places that touch a connection; they are the thin sync and async shells, and the boundary
-  where driver errors are translated into :mod:`idemq.errors`.
+  Each guard builds a statement once per *shape* of call and runs it through
+  :func:`idemq.drivers.sql.run` (``Connection.execute``), where SQLAlchemy's compiled cache
+  finds it again.
+* **The fence rule**, written once for both guards (:func:`fence_accepts`).
 """
 
 from __future__ import annotations
 
 import re
-import weakref
-from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Update, bindparam, column, exc, literal, or_, table
-from sqlalchemy.engine import Dialect
-from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, bindparam, column, literal, or_, table
 from sqlalchemy.sql.expression import ColumnClause, TableClause
 from sqlalchemy.types import TypeEngine
 
-from idemq.drivers.sql import translate_db_error
-from idemq.errors import (
-    ConfigurationError,
-)
-
-if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection, CursorResult
-    from sqlalchemy.ext.asyncio import AsyncConnection
+from idemq.errors import ConfigurationError
 
 __all__ = [
     "MAX_IDENTIFIER_LEN",
-    "Plan",
-    "Prepared",
+    "bind_prefix",
     "bind_type",
     "check_columns",
     "check_identifier",
     "fence_accepts",
-    "run_plan",
-    "run_plan_async",
     "table_clause",
-    "translate_db_error",
 ]
-
-T = TypeVar("T")
-
-#: A statement to run: its shape and this call's parameters (bind name → value).
-Step = tuple["Prepared", dict[str, Any]]
-
-#: A guard's logic: yields statements, receives each statement's (buffered) result, returns T.
-Plan = Generator[Step, "CursorResult[Any]", T]
 
 #: PostgreSQL truncates identifiers at 63 bytes (MariaDB allows 64): refuse rather than truncate.
 MAX_IDENTIFIER_LEN = 63
@@ -111,13 +84,26 @@ def table_clause(name: str, *columns: str) -> TableClause:
     return table(name, *cols, schema=schema)
 
 
-def fence_accepts(fence_col: ColumnClause[Any]) -> ColumnElement[bool]:
-    """The WHERE clause of a fenced write: the row's token, if any, is at most ``:fence``.
+def fence_accepts(fence_col: ColumnClause[Any], fence_bind: str) -> ColumnElement[bool]:
+    """The WHERE clause of a fenced write: the row's token, if any, is at most the bound one.
 
     One rule for both guards: NULL means never fenced, and an equal token is the same lock
     holder writing again; only an older token than one the row has seen is refused.
     """
-    return or_(fence_col.is_(None), fence_col <= bindparam("fence"))
+    return or_(fence_col.is_(None), fence_col <= bindparam(fence_bind))
+
+
+def bind_prefix(columns: Iterable[str]) -> str:
+    """A prefix for a statement's bind names that begins none of its ``columns``' names.
+
+    ``Connection.execute`` turns a parameter named like a column of an UPDATE into one more
+    SET entry: a bind named like the key column (a key column called ``k``, say) would make
+    SQLAlchemy refuse the statement, or write the key.
+    """
+    prefix = "b_"
+    while any(name.startswith(prefix) for name in columns):
+        prefix = "_" + prefix
+    return prefix
 
 
 _INFERRED: dict[type, TypeEngine[Any]] = {}
@@ -125,109 +111,15 @@ _INFERRED: dict[type, TypeEngine[Any]] = {}
 
 def bind_type(value: object) -> TypeEngine[Any]:
     """The SQL type SQLAlchemy gives a bind of ``value`` (``uuid.UUID`` → ``Uuid``, ``int`` →
-    ``Integer`` …), inferred once per Python type: statements can be keyed by it."""
+    ``Integer`` …), inferred once per Python type.
+
+    A statement built once and run with many keys has no value to infer the key's type from; a
+    ``uuid.UUID`` key bound untyped would reach SQLite's driver unconverted and fail. So the
+    key's type is part of a statement's shape, and its bind is typed with it, as a statement
+    built per call with the value would be.
+    """
     kind = type(value)
     inferred = _INFERRED.get(kind)
     if inferred is None:
         inferred = _INFERRED[kind] = literal(value).type
     return inferred
-
-
-@dataclass(frozen=True, slots=True)
-class _Rendered:
-    """A :class:`Prepared` statement compiled for one dialect."""
-
-    sql: str
-    positions: tuple[str, ...] | None  # bind names in placeholder order (positional drivers)
-    processors: tuple[tuple[str, Callable[[Any], Any]], ...]  # binds the dialect converts
-
-    def args(self, params: dict[str, Any]) -> Any:
-        """``params`` in the driver's form: converted where the bind's type says so, then
-        ordered for a positional paramstyle (``?``, ``%s``, ``$1``) or kept by name."""
-        if self.processors:
-            params = params.copy()
-            for name, process in self.processors:
-                params[name] = process(params[name])
-        if self.positions is None:
-            return params
-        return tuple([params[name] for name in self.positions])
-
-
-class Prepared:
-    """A statement shape built once, compiled once per dialect, run with plain parameters.
-
-    ``conn.execute(core_statement)`` builds the statement, its cache key and a compiled lookup
-    on every call: for a one-row conditional UPDATE that is about 20 times the cost of running
-    it (450 µs vs 20 µs per :meth:`~idemq.StateMachine.apply` on SQLite). A ``Prepared``
-    renders its SQL for a dialect on first use; each call then goes through
-    ``Connection.exec_driver_sql``, so SQLAlchemy's events and error handling still apply, and a
-    bind whose type the dialect converts (a ``uuid.UUID`` key on SQLite, say) is still converted.
-    Bind names must be plain identifiers (they are: the guards name their own binds).
-    """
-
-    __slots__ = ("_by_dialect", "statement")
-
-    def __init__(self, statement: Update | Select[Any]) -> None:
-        self.statement = statement
-        # Keyed by the dialect object: an engine's compiled SQL can depend on its server version.
-        self._by_dialect: weakref.WeakKeyDictionary[Dialect, _Rendered] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    def render(self, dialect: Dialect, params: dict[str, Any]) -> tuple[str, Any]:
-        """The SQL text for ``dialect`` and ``params`` in the driver's form."""
-        rendered = self._by_dialect.get(dialect)
-        if rendered is None:
-            rendered = self._by_dialect[dialect] = self._compile(dialect)
-        return rendered.sql, rendered.args(params)
-
-    def _compile(self, dialect: Dialect) -> _Rendered:
-        compiled = self.statement.compile(dialect=dialect)
-        processors = []
-        for name, bind in compiled.binds.items():
-            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
-            if process is not None:
-                processors.append((name, process))
-        positions = tuple(compiled.positiontup or ()) if dialect.positional else None
-        return _Rendered(compiled.string, positions, tuple(processors))
-
-
-def run_plan(conn: Connection | Session, plan: Plan[T], doing: str) -> T:
-    """Drive ``plan`` on a sync SQLAlchemy ``Connection`` (the thin sync shell); an ORM
-    ``Session`` runs it on the connection of its current transaction."""
-    if isinstance(conn, Session):
-        conn = conn.connection()
-    dialect = conn.dialect
-    try:
-        prepared, params = next(plan)
-        while True:
-            try:
-                result = conn.exec_driver_sql(*prepared.render(dialect, params))
-            except exc.DBAPIError as error:
-                raise translate_db_error(error, doing) from error
-            prepared, params = plan.send(result)
-    except StopIteration as done:
-        value: T = done.value
-        return value
-
-
-async def run_plan_async(conn: AsyncConnection | AsyncSession, plan: Plan[T], doing: str) -> T:
-    """Drive ``plan`` on an ``AsyncConnection`` or ``AsyncSession`` (the thin async shell).
-
-    ``exec_driver_sql`` returns a fully buffered ``CursorResult``, so the plan reads ``rowcount``
-    and rows from it exactly as in the sync shell.
-    """
-    if isinstance(conn, AsyncSession):
-        conn = await conn.connection()
-    dialect = conn.dialect
-    try:
-        prepared, params = next(plan)
-        while True:
-            try:
-                result = await conn.exec_driver_sql(*prepared.render(dialect, params))
-            except exc.DBAPIError as error:
-                raise translate_db_error(error, doing) from error
-            prepared, params = plan.send(result)
-    except StopIteration as done:
-        value: T = done.value
-        return value

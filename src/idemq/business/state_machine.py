@@ -36,19 +36,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import Select, Update, bindparam, select, update
 
 from idemq.business._sql import (
-    Plan,
-    Prepared,
+    bind_prefix,
     bind_type,
     check_columns,
     check_identifier,
     fence_accepts,
-    run_plan,
-    run_plan_async,
 )
 from idemq.business._sql import table_clause as _table
+from idemq.drivers.sql import Plan, Step, arun, run
 from idemq.errors import ConfigurationError, InvalidInputError, UnknownEventError
 
 if TYPE_CHECKING:
@@ -69,9 +67,11 @@ _MAX_ATTEMPTS = 3
 class _Shape:
     """The statements of one kind of :meth:`StateMachine.apply` call, and its fixed binds."""
 
-    update: Prepared
-    probe: Prepared
+    update: Update
+    probe: Select[Any]
     fixed: dict[str, Any]  # target and source states
+    key_bind: str
+    fence_bind: str
     extra_binds: tuple[str, ...]  # the bind of each extra column, in order
 
 
@@ -192,7 +192,7 @@ class StateMachine:
         :class:`~idemq.StoreError` subclasses (cause kept) when the database fails.
         """
         plan = self._plan(key, event, extra_values, fence)
-        return run_plan(conn, plan, f"{event!r} on {self.table}")
+        return run(conn, plan, f"{event!r} on {self.table}")
 
     async def apply_async(
         self,
@@ -205,7 +205,7 @@ class StateMachine:
     ) -> TransitionResult:
         """:meth:`apply` on a SQLAlchemy ``AsyncConnection``; same statements, same results."""
         plan = self._plan(key, event, extra_values, fence)
-        return await run_plan_async(conn, plan, f"{event!r} on {self.table}")
+        return await arun(conn, plan, f"{event!r} on {self.table}")
 
     def transition(self, event: str) -> Transition:
         """The transition for ``event``; raise :class:`UnknownEventError` if there is none."""
@@ -230,14 +230,14 @@ class StateMachine:
         fence = _check_fence(fence)
         fenced = fence is not None
         shape = _shape(self._names, edge, tuple(extra), fenced, bind_type(key))
-        params = {**shape.fixed, "k": key}
+        params = {**shape.fixed, shape.key_bind: key}
         for bind, value in zip(shape.extra_binds, extra.values(), strict=True):
             params[bind] = value
         if fenced:
-            params["fence"] = fence
+            params[shape.fence_bind] = fence
 
         for _ in range(_MAX_ATTEMPTS):
-            matched = (yield shape.update, params).rowcount
+            matched = (yield Step(shape.update, params)).rowcount
             if matched == 1:
                 return TransitionResult.APPLIED
             if matched > 1:
@@ -245,10 +245,10 @@ class StateMachine:
                     f"{self.table}.{self.key_column} is not unique: {matched} rows matched "
                     f"{key!r}; roll back the transaction"
                 )
-            row = (yield shape.probe, {"k": key}).first()
-            if row is None:
+            rows = (yield Step(shape.probe, {shape.key_bind: key})).rows
+            if not rows:
                 return TransitionResult.NOT_FOUND
-            found = tuple(row)  # (state,) or (state, fence_token)
+            found = tuple(rows[0])  # (state,) or (state, fence_token)
             verdict = self._classify(edge, found[0], found[1] if fenced else None, fence)
             if verdict is not None:
                 return verdict
@@ -304,32 +304,35 @@ def _shape(
     fenced: bool,
     key_type: TypeEngine[Any],
 ) -> _Shape:
-    """The statements of one kind of :meth:`StateMachine.apply` call, built once (see
-    :class:`idemq.business._sql.Prepared`); shared by machines of the same table and columns.
+    """The statements of one kind of :meth:`StateMachine.apply` call, built once and shared by
+    machines of the same table and columns.
 
-    ``key_type`` is part of the shape: the key's bind has the SQL type of the key's Python type
-    (a ``uuid.UUID`` key is converted on SQLite, a str is not), as a Core statement built per
-    call would give it.
+    ``key_type`` is part of the shape (see :func:`idemq.business._sql.bind_type`): a
+    ``uuid.UUID`` key is converted on SQLite, a str is not.
     """
     table, key_name, state_name, fence_name = names
     check_columns(extra_cols, "extra_values", {key_name, state_name, fence_name})
     tbl = _table(table, key_name, state_name, fence_name, *extra_cols)
     key_col, state_col, fence_col = tbl.c[key_name], tbl.c[state_name], tbl.c[fence_name]
-    key_bind = bindparam("k", type_=key_type)
-    sources = [f"s{i}" for i in range(len(edge.sources))]
-    extra_binds = tuple(f"x{i}" for i in range(len(extra_cols)))
+    b = bind_prefix(tbl.c.keys())
+    key_bind = bindparam(f"{b}key", type_=key_type)
+    target = f"{b}target"
+    sources = [f"{b}source{i}" for i in range(len(edge.sources))]
+    extra_binds = tuple(f"{b}extra{i}" for i in range(len(extra_cols)))
 
-    values: dict[str, Any] = {state_name: bindparam("target")}
-    values.update({col: bindparam(b) for col, b in zip(extra_cols, extra_binds, strict=True)})
-    stmt = update(tbl).where(key_col == key_bind, state_col.in_([bindparam(b) for b in sources]))
+    values: dict[str, Any] = {state_name: bindparam(target)}
+    values.update({col: bindparam(x) for col, x in zip(extra_cols, extra_binds, strict=True)})
+    stmt = update(tbl).where(key_col == key_bind, state_col.in_([bindparam(s) for s in sources]))
     if fenced:
-        values[fence_name] = bindparam("fence")
-        stmt = stmt.where(fence_accepts(fence_col))
+        values[fence_name] = bindparam(f"{b}fence")
+        stmt = stmt.where(fence_accepts(fence_col, f"{b}fence"))
     probe_cols = [state_col, fence_col] if fenced else [state_col]
     return _Shape(
-        update=Prepared(stmt.values(values)),
-        probe=Prepared(select(*probe_cols).where(key_col == key_bind).with_for_update()),
-        fixed={"target": edge.target, **dict(zip(sources, edge.sources, strict=True))},
+        update=stmt.values(values),
+        probe=select(*probe_cols).where(key_col == key_bind).with_for_update(),
+        fixed={target: edge.target, **dict(zip(sources, edge.sources, strict=True))},
+        key_bind=key_bind.key,
+        fence_bind=f"{b}fence",
         extra_binds=extra_binds,
     )
 

@@ -24,19 +24,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Integer, bindparam, literal_column, update
+from sqlalchemy import Integer, Update, bindparam, literal_column, update
 
 from idemq.business._sql import (
-    Plan,
-    Prepared,
+    bind_prefix,
     bind_type,
     check_columns,
     check_identifier,
     fence_accepts,
-    run_plan,
-    run_plan_async,
 )
 from idemq.business._sql import table_clause as _table
+from idemq.drivers.sql import Plan, Step, arun, run
 from idemq.errors import ConfigurationError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -79,7 +77,7 @@ def versioned_update(  # noqa: PLR0917 -- positional shape fixed by the public c
         fence=fence,
         fence_column=fence_column,
     )
-    return run_plan(conn, plan, f"versioned update of {table}")
+    return run(conn, plan, f"versioned update of {table}")
 
 
 async def versioned_update_async(  # noqa: PLR0917 -- mirrors versioned_update
@@ -105,7 +103,7 @@ async def versioned_update_async(  # noqa: PLR0917 -- mirrors versioned_update
         fence=fence,
         fence_column=fence_column,
     )
-    return await run_plan_async(conn, plan, f"versioned update of {table}")
+    return await arun(conn, plan, f"versioned update of {table}")
 
 
 def _plan(
@@ -139,13 +137,14 @@ def _plan(
         fence is not None,
         bind_type(key),
     )
-    params = {"k": key, "expected": expected_version}
+    b = shape.bind_prefix
+    params = {f"{b}key": key, f"{b}expected": expected_version}
     if fence is not None:
-        params["fence"] = fence
+        params[f"{b}fence"] = fence
     for bind, value in zip(shape.value_binds, values.values(), strict=True):
         params[bind] = value
 
-    matched = (yield shape.update, params).rowcount
+    matched = (yield Step(shape.update, params)).rowcount
     if matched > 1:
         raise ConfigurationError(
             f"{table}.{key_column} is not unique: {matched} rows matched {key!r}; "
@@ -156,7 +155,8 @@ def _plan(
 
 @dataclass(frozen=True, slots=True)
 class _Shape:
-    update: Prepared
+    update: Update
+    bind_prefix: str  # of the key, expected-version and fence binds
     value_binds: tuple[str, ...]  # the bind of each value column, in order
 
 
@@ -170,7 +170,8 @@ def _shape(  # noqa: PLR0917 -- the cache key: every part of the statement's sha
     fenced: bool,
     key_type: TypeEngine[Any],
 ) -> _Shape:
-    """The UPDATE of one kind of call, built once (see :class:`idemq.business._sql.Prepared`)."""
+    """The UPDATE of one kind of call, built once (the key's type: see
+    :func:`idemq.business._sql.bind_type`)."""
     managed = {key_column, version_column, fence_column}
     if len(managed) != 3:
         raise ConfigurationError(
@@ -178,19 +179,20 @@ def _shape(  # noqa: PLR0917 -- the cache key: every part of the statement's sha
             f"{[key_column, version_column, fence_column]}"
         )
     check_columns(value_cols, "values", managed)
-    value_binds = tuple(f"v{i}" for i in range(len(value_cols)))
 
     tbl = _table(table, key_column, version_column, fence_column, *value_cols)
+    b = bind_prefix(tbl.c.keys())
+    value_binds = tuple(f"{b}value{i}" for i in range(len(value_cols)))
     version_col, fence_col = tbl.c[version_column], tbl.c[fence_column]
     new_values: dict[str, Any] = {
-        **{col: bindparam(b) for col, b in zip(value_cols, value_binds, strict=True)},
+        **{col: bindparam(v) for col, v in zip(value_cols, value_binds, strict=True)},
         version_column: version_col + literal_column("1"),
     }
     stmt = update(tbl).where(
-        tbl.c[key_column] == bindparam("k", type_=key_type),
-        version_col == bindparam("expected", type_=Integer()),
+        tbl.c[key_column] == bindparam(f"{b}key", type_=key_type),
+        version_col == bindparam(f"{b}expected", type_=Integer()),
     )
     if fenced:
-        new_values[fence_column] = bindparam("fence")
-        stmt = stmt.where(fence_accepts(fence_col))
-    return _Shape(Prepared(stmt.values(new_values)), value_binds)
+        new_values[fence_column] = bindparam(f"{b}fence")
+        stmt = stmt.where(fence_accepts(fence_col, f"{b}fence"))
+    return _Shape(stmt.values(new_values), b, value_binds)

@@ -1,339 +1,161 @@
-"""The connection plumbing of the SQL stores: engines, kept connections, errors, running plans.
+"""The SQLAlchemy boundary: engines from URLs, SQLite's write lock at BEGIN, errors, plan steps.
 
-:mod:`idemq.stores.sql` holds the two stores; this module holds what they share below them:
+Everything idemq does to a SQL database passes through here, and each piece prevents one failure:
 
-* URL → engine defaults (the drivers idemq is tested with; SQLite's WAL and ``BEGIN IMMEDIATE``);
-* the connections a store keeps checked out between its transactions (:class:`IdleConnections`);
-* the translation of driver errors into the idemq tree (:class:`translate_errors`);
-* running the I/O-free plans of :mod:`idemq.stores.sql.plans` (:func:`run`, :func:`arun`).
+* :func:`engine_from_url` / :func:`async_engine_from_url` pick the drivers idemq is tested with,
+  and on the engines idemq builds itself:
 
-Kept connections: checking a connection out of SQLAlchemy's pool and back in costs ~20 µs of CPU
-per transaction (pool bookkeeping, the ``Connection`` object, the return to the queue): on SQLite
-more than the claim itself, on PostgreSQL and MariaDB several percent of a message. A store
-therefore keeps the ``Connection`` of a transaction that ended cleanly for its next one, and never
-holds more than the pool would keep open anyway:
+  - SQLite transactions take the write lock at ``BEGIN`` (:func:`prepare_sqlite`). pysqlite's
+    own transaction handling begins lazily, so two writers could both read, then deadlock
+    upgrading to write (``database is locked``); with ``BEGIN IMMEDIATE`` racing claims queue
+    behind each other instead;
+  - a forked child never uses a connection it inherited from its parent's pool
+    (:func:`discard_inherited_connections`): both processes would talk over one socket.
 
-* only with a ``QueuePool`` and at most its ``pool_size`` — a ``NullPool`` (e.g. behind
-  PgBouncer) or a ``StaticPool`` is used as configured, and overflow connections still close;
-* not when the pool checks connections on checkout (``pool_pre_ping``, ``pool_recycle``): those
-  checks would be skipped for a kept connection;
-* only a connection whose transaction committed or rolled back without error and that the handler
-  left as it found it (not closed, not invalidated, no transaction open, no execution options);
-* a disconnect seen on any connection drops them all (the database probably restarted; the pool
-  replaces them on its next checkout);
-* after ``os.fork()`` the child never uses the parent's connections (their sockets are shared).
+* :func:`translate_db_error` maps SQLAlchemy's errors (it wraps every driver's in
+  :class:`~sqlalchemy.exc.DBAPIError`) to the idemq tree, so no psycopg or PyMySQL exception
+  reaches a caller and a deadlock is told apart from an outage.
+* :func:`begin` / :func:`abegin` are ``engine.begin()`` with those errors translated for the
+  connect, ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` only: what the block itself raises (a handler's
+  own error) propagates untouched.
+* :func:`run` / :func:`arun` carry out a sans-I/O SQL :data:`Plan` (the stores' primitives, the
+  business guards) on a connection through ``Connection.execute``, one :class:`Step` at a time.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
-from collections.abc import Generator, Sequence
-from types import TracebackType
-from typing import Any, Generic, NamedTuple, TypeVar
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, NamedTuple, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.pool import Pool, QueuePool
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import Executable
 
+from idemq._plan import adrive, drive
 from idemq.errors import ConfigurationError, StoreConflictError, StoreError, StoreUnavailableError
 
 __all__ = [
     "ENGINE_DEFAULTS",
-    "IdleConnections",
+    "Plan",
+    "Reply",
+    "Step",
+    "abegin",
     "arun",
+    "async_engine_from_url",
     "async_url",
-    "keep_limit",
+    "begin",
+    "discard_inherited_connections",
+    "engine_from_url",
     "parse_url",
     "prepare_sqlite",
-    "reusable",
     "run",
+    "sql_engine",
     "sync_url",
-    "translate_errors",
+    "translate_db_error",
+    "translated",
 ]
 
-C = TypeVar("C")
+T = TypeVar("T")
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
-# Every transaction idemq opens ends in COMMIT or ROLLBACK, and SQLAlchemy's Connection rolls back
-# on close; the pool's extra reset ROLLBACK would be one more round trip per message on PyMySQL.
+# Every transaction a store opens ends in COMMIT or ROLLBACK, and a Connection rolls back whatever
+# is left open when it closes, so the pool's own reset ROLLBACK on check-in would only add a
+# round trip per transaction on PyMySQL.
 ENGINE_DEFAULTS: dict[str, Any] = {"pool_reset_on_return": None, "pool_pre_ping": False}
 
 
-class translate_errors:  # a context manager named like one
-    """Driver errors → the idemq tree, cause kept. Messages never include the URL or params.
-
-    ``with translate_errors("claim", store.where):`` — a class rather than ``@contextmanager``
-    (a generator per use) and the message built only on error: it wraps every statement.
-    """
-
-    __slots__ = ("what", "where")
-
-    def __init__(self, what: str, where: str) -> None:
-        self.what = what
-        self.where = where
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        typ: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            return
-        where = f"{self.what} on {self.where}"
-        if isinstance(exc, DBAPIError):
-            raise translate_db_error(exc, where) from exc
-        if isinstance(exc, SQLAlchemyError):  # pool timeout, closed connection, …
-            raise StoreUnavailableError(f"{where}: {type(exc).__name__}: {exc}") from exc
-        if isinstance(exc, OSError):
-            raise StoreUnavailableError(f"{where}: {exc}") from exc
+# -- plans ---------------------------------------------------------------------------------------
 
 
-def parse_url(url: str | URL) -> URL:
-    try:
-        return make_url(url)
-    except ArgumentError as exc:
-        raise ConfigurationError(f"not a database URL: {exc}") from exc
+class Step(NamedTuple):
+    """One statement of a plan: a Core construct or ``text()`` built once, and this call's
+    parameters (bind name → value)."""
 
-
-def sync_url(url: URL) -> URL:
-    """Bare scheme → the driver idemq is tested with (psycopg 3, PyMySQL)."""
-    drivers = {
-        "postgresql": "postgresql+psycopg",
-        "mysql": "mysql+pymysql",
-        "mariadb": "mariadb+pymysql",
-    }
-    return url.set(drivername=drivers.get(url.drivername, url.drivername))
-
-
-def async_url(url: URL) -> URL:
-    backend = url.get_backend_name()
-    drivers = {
-        "postgresql": "postgresql+psycopg",
-        "mysql": "mysql+asyncmy",
-        "mariadb": "mariadb+asyncmy",
-        "sqlite": "sqlite+aiosqlite",
-    }
-    if url.get_driver_name() in ("psycopg", "asyncpg", "asyncmy", "aiomysql", "aiosqlite"):
-        return url
-    return url.set(drivername=drivers.get(backend, url.drivername))
-
-
-def prepare_sqlite(engine: Engine) -> None:
-    """WAL, a busy timeout, and ``BEGIN IMMEDIATE``.
-
-    pysqlite's own transaction handling begins lazily and would let two writers both read, then
-    deadlock upgrading to write (``database is locked``). Taking the write lock at BEGIN makes
-    racing claims queue behind each other instead; it also makes SAVEPOINT work.
-
-    SQLAlchemy's recipe issues the BEGIN from a ``begin`` engine event, but any connection event
-    on an engine turns on event dispatch for every statement run on it (~10 µs each, and ~50 µs
-    per transaction for the BEGIN run through ``exec_driver_sql``). The dialect's ``do_begin``
-    hook — a no-op for pysqlite — runs at the same moment for every transaction on this engine
-    (idemq's, and the caller's own ``engine.begin()``), without it.
-    """
-
-    @event.listens_for(engine, "connect")  # a pool event: runs once per new DBAPI connection
-    def _connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = None
-        cursor = dbapi_conn.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")
-        cursor.close()
-
-    # This engine's own dialect instance (create_engine builds one per engine).
-    engine.dialect.do_begin = _begin_immediate  # type: ignore[method-assign,assignment]
-
-
-def _begin_immediate(dbapi_conn: Any) -> None:
-    cursor = dbapi_conn.cursor()
-    try:
-        cursor.execute("BEGIN IMMEDIATE")
-    finally:
-        cursor.close()
-
-
-def reusable(conn: Connection | None, engine: Engine) -> bool:
-    """Closed, invalidated, in a transaction, or with execution options of its own (the handler
-    set them on ``tx``): not for the next message."""
-    return (
-        conn is not None
-        and not conn.closed
-        and not conn.invalidated
-        and not conn.in_transaction()
-        and conn.get_execution_options() == engine.get_execution_options()
-    )
-
-
-def run(conn: Connection, plan: Plan) -> Any:
-    """Run a plan on the DBAPI cursor of ``conn``, inside its current transaction.
-
-    idemq's own statements skip SQLAlchemy's execution and result machinery: on the per-message
-    path it cost more CPU than the database round trip (see bench/sql_guard.py). Driver errors
-    go through SQLAlchemy's own error handling, so :func:`translate_errors` sees one kind.
-    """
-    cursor = _cursor(conn)
-    sql: str = ""
-    params: dict[str, Any] = {}
-    try:
-        step = next(plan)
-        while True:
-            sql, params, returns_rows = step
-            cursor.execute(sql, params)
-            # (Asking the cursor for its description would build column objects: measurable.)
-            rows = cursor.fetchall() if returns_rows else []
-            step = plan.send(Reply(rows, cursor.rowcount))
-    except StopIteration as stop:
-        return stop.value
-    except BaseException as exc:
-        # The next plan on this connection gets a new cursor: SQLAlchemy's handling below closes
-        # this one, and one interrupted mid-statement is in no known state.
-        conn.connection.info.pop(_CURSOR, None)
-        if isinstance(exc, conn.dialect.loaded_dbapi.Error):
-            # SQLAlchemy's own handling, as for its own statements: the error wrapped,
-            # ``handle_error`` hooks run, and on a disconnect this connection and the pool's
-            # older ones invalidated (a restarted server killed them all; each is replaced at
-            # its next checkout).
-            conn._handle_dbapi_exception(exc, sql, params, cursor, None)
-        raise
-
-
-_CURSOR = "idemq.cursor"
-
-
-def _cursor(conn: Connection) -> Any:
-    """idemq's cursor on the DBAPI connection under ``conn``: one per DBAPI connection, kept in
-    the pool's ``info`` for it and reused by every plan — psycopg spends more building a cursor
-    than running a duplicate's claim through it. A cursor of another (replaced) DBAPI
-    connection is never reused."""
-    fairy = conn.connection
-    dbapi_conn = fairy.dbapi_connection
-    cursor = fairy.info.get(_CURSOR)
-    if cursor is None or cursor.connection is not dbapi_conn:
-        cursor = fairy.info[_CURSOR] = dbapi_conn.cursor()  # type: ignore[union-attr]
-    return cursor
-
-
-async def arun(conn: AsyncConnection, plan: Plan) -> Any:
-    try:
-        step = next(plan)
-        while True:
-            sql, params, _returns_rows = step
-            cursor = await conn.exec_driver_sql(sql, params)
-            rows = [tuple(r) for r in cursor.fetchall()] if cursor.returns_rows else []
-            step = plan.send(Reply(rows, cursor.rowcount))
-    except StopIteration as stop:
-        return stop.value
-
-
-def keep_limit(pool: Pool) -> int:
-    """How many idle connections a store may keep checked out of ``pool`` (0: none)."""
-    if not isinstance(pool, QueuePool):
-        return 0
-    # Private, but the only place these settings live; a pool that checks each checkout must
-    # see every checkout.
-    if getattr(pool, "_pre_ping", True) or getattr(pool, "_recycle", 0) >= 0:
-        return 0
-    return pool.size()
-
-
-class IdleConnections(Generic[C]):
-    """A LIFO of idle connections (the most recently used is the warmest), safe across threads.
-
-    ``list.append``/``list.pop`` are atomic, so no lock is taken on the per-message path; two
-    threads racing past the length check can exceed the limit by one each, never unboundedly
-    (each holds a connection it was using anyway).
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._idle: list[C] = []
-        # The parent's connections, kept referenced in a forked child: collecting them would
-        # return them to the pool, which may close them — on a socket the parent still uses.
-        self._inherited: list[C] = []
-        _ALIVE.add(self)
-
-    def take(self) -> C | None:
-        """An idle connection, or ``None`` (check one out of the pool)."""
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return None
-
-    def keep(self, conn: C) -> bool:
-        """Keep ``conn`` for the next transaction; ``False``: the caller closes it."""
-        if len(self._idle) >= self.limit:
-            return False
-        self._idle.append(conn)
-        return True
-
-    def drain(self) -> list[C]:
-        """Every idle connection, for the caller to close (disconnect seen, store closed)."""
-        drained: list[C] = []
-        while True:  # pop one by one: a connection kept meanwhile is drained too, never lost
-            try:
-                drained.append(self._idle.pop())
-            except IndexError:
-                return drained
-
-    def _forked_copy(self) -> None:
-        self._inherited += self._idle
-        self._idle = []
-
-
-# Every IdleConnections alive in this process, so a fork can empty the child's copies (a check of
-# os.getpid() per message would cost a system call each time).
-_ALIVE: weakref.WeakSet[IdleConnections[Any]] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for idle in list(_ALIVE):
-        idle._forked_copy()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    statement: Executable
+    params: Mapping[str, Any]
 
 
 class Reply(NamedTuple):
-    """What a plan gets back for one statement (a tuple: built for every statement)."""
+    """What a plan gets back for one :class:`Step`: every row, buffered, and the row count."""
 
-    rows: Sequence[tuple[Any, ...]]  # as the driver's fetchall() returns them
+    rows: Sequence[sa.Row[Any]]
     rowcount: int
 
 
-Step = tuple[str, dict[str, Any], bool]  # (sql, params, returns rows)
+Plan = Generator[Step, Reply, T]
+"""A sans-I/O SQL plan: yields steps, receives each step's :class:`Reply`, returns ``T``."""
 
 
-Plan = Generator[Step, Reply, Any]
+def run(conn: Connection | Session, plan: Plan[T], doing: str) -> T:
+    """Carry out ``plan`` on ``conn`` (a ``Connection`` or ORM ``Session``) inside its current
+    transaction; a database failure is raised into the plan as an idemq error naming ``doing``."""
+    connection = conn.connection() if isinstance(conn, Session) else conn
 
+    def execute(step: Step) -> Reply:
+        try:
+            result = connection.execute(step.statement, step.params)
+            return Reply(result.all() if result.returns_rows else (), result.rowcount)
+        except (SQLAlchemyError, OSError) as error:
+            raise translate_db_error(error, doing) from error
+
+    return drive(plan, execute)
+
+
+async def arun(conn: AsyncConnection | AsyncSession, plan: Plan[T], doing: str) -> T:
+    """:func:`run` on an ``AsyncConnection`` or ``AsyncSession``: the same plan, each step
+    awaited (``AsyncConnection.execute`` buffers the whole result)."""
+    connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
+
+    async def execute(step: Step) -> Reply:
+        try:
+            result = await connection.execute(step.statement, step.params)
+            return Reply(result.all() if result.returns_rows else (), result.rowcount)
+        except (SQLAlchemyError, OSError) as error:
+            raise translate_db_error(error, doing) from error
+
+    return await adrive(plan, execute)
+
+
+# -- errors --------------------------------------------------------------------------------------
 
 # Server error codes meaning "another transaction got in the way; run the whole thing again".
 _PG_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})  # serialization, deadlock, lock
-
-
 _MYSQL_RETRYABLE_ERRNOS = frozenset({1205, 1213})  # lock wait timeout, deadlock
+# SQLAlchemy's own errors (no driver error under them) that mean "no usable connection".
+_UNREACHABLE = (
+    OSError,
+    exc.TimeoutError,  # the pool had no connection free within pool_timeout
+    exc.DisconnectionError,
+    exc.ResourceClosedError,
+    exc.PendingRollbackError,  # the connection was invalidated inside the transaction
+)
 
 
-def translate_db_error(error: exc.DBAPIError, doing: str) -> StoreError:
-    """Map a SQLAlchemy-wrapped driver error to the idemq error a consumer can act on.
+def translate_db_error(error: BaseException, doing: str) -> StoreError:
+    """The idemq error a consumer can act on, for a failure while ``doing`` something.
 
     * deadlock / serialization failure / lock timeout → :class:`StoreConflictError` (roll back and
       run the message again: nothing was committed);
-    * lost connection, timeouts, other operational failures → :class:`StoreUnavailableError`;
-    * anything else (missing table, constraint violation …) → :class:`StoreError`.
+    * lost connection, timeouts, other operational failures, the pool's timeout, a closed or
+      invalidated connection, a socket error → :class:`StoreUnavailableError`;
+    * anything else (missing table, constraint violation, a statement SQLAlchemy could not
+      compile or bind) → :class:`StoreError`.
 
-    The caller raises the returned error ``from`` the original, so the driver error stays as
-    ``__cause__``.
+    The caller raises the returned error ``from`` the original, so it stays as ``__cause__``.
+    Messages never include the URL's password or the statement's parameters.
     """
+    if not isinstance(error, exc.DBAPIError):
+        message = f"{doing} failed: {type(error).__name__}: {error}"
+        if isinstance(error, _UNREACHABLE):
+            return StoreUnavailableError(message)
+        return StoreError(message)
     orig = error.orig
     sqlstate = getattr(orig, "sqlstate", None)
     args = getattr(orig, "args", ())
@@ -350,11 +172,180 @@ def translate_db_error(error: exc.DBAPIError, doing: str) -> StoreError:
     return StoreError(message)
 
 
+@contextmanager
+def translated(doing: str) -> Iterator[None]:
+    """Raise a database failure inside the block as :func:`translate_db_error`'s error."""
+    try:
+        yield
+    except (SQLAlchemyError, OSError) as error:
+        raise translate_db_error(error, doing) from error
+
+
+@contextmanager
+def begin(engine: Engine, where: str) -> Iterator[Connection]:
+    """``engine.begin()``: a pooled connection in a transaction that commits when the block ends
+    and rolls back when it raises. A failure to connect, begin, commit or roll back is
+    translated; the block's own exception propagates as it is."""
+    doing = "begin"
+    raised: BaseException | None = None
+    try:
+        with engine.begin() as conn:
+            doing = "commit"
+            try:
+                yield conn
+            except BaseException as body_error:
+                doing, raised = "rollback", body_error
+                raise
+            _check_still_open(conn.in_transaction(), where)
+    except (SQLAlchemyError, OSError) as error:
+        if error is raised:
+            raise
+        raise translate_db_error(error, f"{doing} on {where}") from error
+
+
+def _check_still_open(in_transaction: bool, where: str) -> None:
+    # A block that closed, committed or rolled back the connection itself (a handler calling
+    # ``tx.close()``) leaves nothing for this COMMIT: reporting success would claim a dedup row
+    # and an effect that were never committed together.
+    if not in_transaction:
+        raise StoreError(
+            f"the transaction on {where} was ended inside its block (closed, committed or "
+            "rolled back by the code it ran): the message was not recorded as processed"
+        )
+
+
+@asynccontextmanager
+async def abegin(engine: AsyncEngine, where: str) -> AsyncIterator[AsyncConnection]:
+    """:func:`begin` for an ``AsyncEngine``."""
+    doing = "begin"
+    raised: BaseException | None = None
+    try:
+        async with engine.begin() as conn:
+            doing = "commit"
+            try:
+                yield conn
+            except BaseException as body_error:
+                doing, raised = "rollback", body_error
+                raise
+            _check_still_open(conn.in_transaction(), where)
+    except (SQLAlchemyError, OSError) as error:
+        if error is raised:
+            raise
+        raise translate_db_error(error, f"{doing} on {where}") from error
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+
+def parse_url(url: str | URL) -> URL:
+    """``url`` as a SQLAlchemy URL; :class:`~idemq.ConfigurationError` if it is not one."""
+    try:
+        return make_url(url)
+    except ArgumentError as error:
+        raise ConfigurationError(f"not a database URL: {error}") from error
+
+
+def sync_url(url: URL) -> URL:
+    """Bare scheme → the driver idemq is tested with (psycopg 3, PyMySQL)."""
+    drivers = {
+        "postgresql": "postgresql+psycopg",
+        "mysql": "mysql+pymysql",
+        "mariadb": "mariadb+pymysql",
+    }
+    return url.set(drivername=drivers.get(url.drivername, url.drivername))
+
+
+def async_url(url: URL) -> URL:
+    """Any scheme → its asyncio driver (psycopg 3 async, asyncmy, aiosqlite)."""
+    backend = url.get_backend_name()
+    drivers = {
+        "postgresql": "postgresql+psycopg",
+        "mysql": "mysql+asyncmy",
+        "mariadb": "mariadb+asyncmy",
+        "sqlite": "sqlite+aiosqlite",
+    }
+    if url.get_driver_name() in ("psycopg", "asyncpg", "asyncmy", "aiomysql", "aiosqlite"):
+        return url
+    return url.set(drivername=drivers.get(backend, url.drivername))
+
+
+def engine_from_url(url: str | URL, **engine_kwargs: Any) -> Engine:
+    """A sync engine for a store: :data:`ENGINE_DEFAULTS` (overridden by ``engine_kwargs``), SQLite
+    prepared, inherited connections discarded after a fork."""
+    parsed = sync_url(parse_url(url))
+    try:
+        engine = sa.create_engine(parsed, **{**ENGINE_DEFAULTS, **engine_kwargs})
+    except (ArgumentError, NoSuchModuleError, ImportError) as error:
+        raise ConfigurationError(f"cannot use {parsed.drivername!r}: {error}") from error
+    if engine.dialect.name == "sqlite":
+        prepare_sqlite(engine)
+    discard_inherited_connections(engine)
+    return engine
+
+
+def async_engine_from_url(url: str | URL, **engine_kwargs: Any) -> AsyncEngine:
+    """:func:`engine_from_url` for an async store (the same events, on its ``sync_engine``)."""
+    parsed = async_url(parse_url(url))
+    try:
+        engine = create_async_engine(parsed, **engine_kwargs)
+    except (ArgumentError, NoSuchModuleError, ImportError) as error:
+        raise ConfigurationError(f"cannot use {parsed.drivername!r}: {error}") from error
+    if engine.dialect.name == "sqlite":
+        prepare_sqlite(engine.sync_engine)
+    discard_inherited_connections(engine.sync_engine)
+    return engine
+
+
+def prepare_sqlite(engine: Engine) -> None:
+    """WAL, a busy timeout, and ``BEGIN IMMEDIATE`` for every transaction on ``engine``.
+
+    SQLAlchemy's documented recipe ("Enabling Non-Legacy SQLite Transactional Modes"): the
+    driver's own transaction handling is switched off on connect, and the engine's ``begin``
+    event emits the ``BEGIN``. It holds for idemq's transactions and for the caller's own
+    ``engine.begin()`` alike, and makes SAVEPOINT work. For aiosqlite, pass ``sync_engine``.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def discard_inherited_connections(engine: Engine) -> None:
+    """After ``os.fork()``, the child opens its own connections instead of using its parent's.
+
+    SQLAlchemy's documented recipe ("Using Connection Pools with Multiprocessing or os.fork()"):
+    each pooled connection remembers the process that opened it, and a checkout in another
+    process drops it from the pool without closing it (the parent still uses that socket), so
+    the pool connects anew.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _connect(_dbapi_connection: Any, record: Any) -> None:
+        record.info["pid"] = os.getpid()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(_dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        pid = os.getpid()
+        if record.info["pid"] != pid:
+            record.dbapi_connection = proxy.dbapi_connection = None
+            raise exc.DisconnectionError(
+                f"connection opened by process {record.info['pid']}, checked out in {pid}"
+            )
+
+
 def sql_engine(engine_or_url: sa.Engine | str) -> sa.Engine:
     """A SQLAlchemy Engine from an Engine (returned as is) or a URL."""
     if isinstance(engine_or_url, sa.Engine):
         return engine_or_url
     try:
         return sa.create_engine(engine_or_url)
-    except (SQLAlchemyError, ImportError, ValueError) as exc:
-        raise ConfigurationError(f"cannot build a SQL engine from {engine_or_url!r}") from exc
+    except (SQLAlchemyError, ImportError, ValueError) as error:
+        raise ConfigurationError(f"cannot build a SQL engine from {engine_or_url!r}") from error

@@ -41,6 +41,7 @@ from idemq.guard.flow import (
     ReleaseIn,
     SaveResultIn,
     Step,
+    raise_if_transaction_lost,
     release_noting_failure,
     run_handler,
 )
@@ -189,7 +190,9 @@ def _handle_in_transaction(
 ) -> Generator[Step, Any, HandlerRun]:
     savepoint = (yield OpenSavepoint()) if isolated else None
     run = yield from run_handler(policy, request, message, None)
-    if run.error is None and run.encoded != NULL_RESULT:
+    if run.error is not None:
+        yield from raise_if_transaction_lost(run.error)  # fails the pass, never one message
+    elif run.encoded != NULL_RESULT:
         yield SaveResultIn(request.key, run.encoded)
     if isolated:
         yield CloseSavepoint(savepoint, commit=run.error is None)

@@ -32,7 +32,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from idemq.errors import ResultNotSerializableError, StoreConflictError
+from idemq.errors import IdemqError, ResultNotSerializableError, StoreConflictError
 from idemq.guard.cache import CompletedCache
 from idemq.guard.codec import NULL_RESULT
 from idemq.guard.context import HandlerContext
@@ -51,6 +51,7 @@ __all__ = [
     "Complete",
     "ConflictRetries",
     "Flow",
+    "HandlerFailureIn",
     "HandlerRun",
     "OpenSavepoint",
     "Pause",
@@ -61,6 +62,7 @@ __all__ = [
     "Step",
     "StoreStep",
     "message_flow",
+    "raise_if_transaction_lost",
     "release_noting_failure",
     "run_handler",
 ]
@@ -163,6 +165,23 @@ class ReleaseIn(StoreStep):
 
 
 @dataclass(frozen=True, slots=True)
+class HandlerFailureIn(StoreStep):
+    """Transactional: what a handler's exception means for the transaction it ran in.
+
+    Reply: the store error it stands for when the transaction is gone — a deadlock or lock
+    timeout rolled it back whole, the connection dropped — or None (the handler's own error).
+    A transaction that is gone cannot go on: its earlier writes are lost, so carrying on would
+    answer PROCESSED for effects never committed, or commit later effects without their dedup
+    rows.
+    """
+
+    error: BaseException
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.translate_handler_error(tx, self.error)
+
+
+@dataclass(frozen=True, slots=True)
 class OpenSavepoint(StoreStep):
     """Transactional batch: a SAVEPOINT for one message's writes. Reply: the savepoint."""
 
@@ -240,6 +259,16 @@ def run_handler(
         return HandlerRun(error=exc)
 
 
+def raise_if_transaction_lost(error: BaseException) -> Generator[Step, Any, None]:
+    """Raise the store error ``error`` stands for if the transaction it ran in is gone (see
+    :class:`HandlerFailureIn`): a conflict then reruns the whole transaction, an outage is
+    retried later — neither is counted against the message."""
+    if isinstance(error, Exception) and not isinstance(error, IdemqError):  # a driver's, maybe
+        lost = yield HandlerFailureIn(error)
+        if lost is not None:
+            raise lost from error
+
+
 def release_noting_failure(request: ClaimRequest, cause: BaseException) -> Flow:
     """Release the lease of a handler that raised ``cause``; a failed release is noted on it.
 
@@ -279,7 +308,9 @@ def message_flow(
         return judged
     run = yield from run_handler(policy, request, None, probe)
     if run.error is not None:
-        if not transactional:
+        if transactional:
+            yield from raise_if_transaction_lost(run.error)
+        else:
             yield from release_noting_failure(request, run.error)
         raise run.error
     if not transactional:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
+from idemq.errors import StoreError
+
 __all__ = [
     "DEFAULT_CONSUMER",
     "AsyncStore",
@@ -240,6 +242,10 @@ class TransactionalStore(Store, Protocol):
     def release_in(self, tx: Any, key: Key, owner: str) -> None:
         """Delete a claim made by ``claim_many_in`` whose handler failed (batch savepoints)."""
 
+    def translate_handler_error(self, tx: Any, error: BaseException) -> StoreError | None:
+        """The store error a handler's exception raised inside ``tx`` stands for when the
+        transaction is gone (a deadlock rolled it back, the connection dropped), else None."""
+
     def begin_savepoint(self, tx: Any) -> Any:
         """A savepoint inside ``tx``, for one batch message's writes."""
 
@@ -301,6 +307,8 @@ class AsyncTransactionalStore(AsyncStore, Protocol):
     async def save_result_in(self, tx: Any, key: Key, result: str) -> None: ...
 
     async def release_in(self, tx: Any, key: Key, owner: str) -> None: ...
+
+    async def translate_handler_error(self, tx: Any, error: BaseException) -> StoreError | None: ...
 
     async def begin_savepoint(self, tx: Any) -> Any: ...
 

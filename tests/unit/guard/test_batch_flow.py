@@ -145,7 +145,7 @@ def test_an_isolated_pass_undoes_a_failed_message_and_keeps_the_others():
     )
     assert trail == [
         "ClaimManyIn",
-        "OpenSavepoint", "RunHandler", "CloseSavepoint", "ReleaseIn",
+        "OpenSavepoint", "RunHandler", "HandlerFailureIn", "CloseSavepoint", "ReleaseIn",
         "OpenSavepoint", "RunHandler", "CloseSavepoint",
     ]  # fmt: skip
     assert [o.status for o in outcomes] == [Status.FAILED, Status.PROCESSED]
@@ -158,12 +158,31 @@ def test_a_store_error_in_an_isolated_pass_fails_the_pass_not_the_message():
     assert isinstance(next(flow), steps.ClaimManyIn)
     assert isinstance(flow.send([Claim.won(), Claim.won()]), steps.OpenSavepoint)
     assert isinstance(flow.send("savepoint"), steps.RunHandler)
-    close = flow.send((False, ValueError("deadlock in the handler")))
+    ask = flow.send((False, ValueError("the handler's own error")))
+    assert isinstance(ask, steps.HandlerFailureIn)
+    close = flow.send(None)  # the store says: not a lost transaction
     assert isinstance(close, steps.CloseSavepoint)
     assert not close.commit
     gone = idemq.StoreConflictError("SAVEPOINT does not exist")
     with pytest.raises(idemq.StoreConflictError):
         flow.throw(gone)
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+def test_a_handler_error_that_means_the_transaction_is_gone_fails_the_pass(isolated: bool):
+    # InnoDB rolls the whole transaction back on a deadlock inside a handler's statement:
+    # neither the other messages' writes nor this one's claim exist any more.
+    flow = flow_of("a", "b", mode="transactional", isolated=isolated)
+    next(flow)
+    step = flow.send([Claim.won(), Claim.won()])
+    if isolated:
+        step = flow.send("savepoint")
+    assert isinstance(step, steps.RunHandler)
+    deadlock = RuntimeError("driver: deadlock found")
+    assert isinstance(flow.send((False, deadlock)), steps.HandlerFailureIn)
+    with pytest.raises(idemq.StoreConflictError) as raised:
+        flow.send(idemq.StoreConflictError("deadlock"))
+    assert raised.value.__cause__ is deadlock
 
 
 def test_a_lease_batch_completes_each_message_and_releases_a_failed_one():

@@ -1,182 +1,291 @@
-"""Each dialect's plans where it has a better native form than the portable
-:class:`~idemq.stores.sql.plans.Ops` — above all the claim, one atomic statement on the server
-(plus a read when it lost):
+"""Each dialect's claim: one atomic statement on the server (plus a read when it lost).
 
 ==========  ================================================================================
-PostgreSQL  ``WITH ins AS (INSERT … ON CONFLICT DO NOTHING|UPDATE … RETURNING …) SELECT …``:
+PostgreSQL  ``WITH ins AS (INSERT … ON CONFLICT DO NOTHING|UPDATE … RETURNING 1) SELECT …``:
             won or lost, one round trip.
 SQLite      ``INSERT … ON CONFLICT``, won iff it changed a row; a lost claim reads the row
-            (in-process: a second statement is cheaper than ``RETURNING``).
+            (in-process: a second statement costs no round trip).
 MariaDB     ``INSERT … ON DUPLICATE KEY UPDATE … RETURNING``: the row comes back either way;
             this claim won iff the returned owner token is ours.
 MySQL       ``INSERT IGNORE`` (+ conditional takeover ``UPDATE``) then ``SELECT … FOR SHARE``.
 ==========  ================================================================================
+
+The upserts are SQLAlchemy's dialect constructs (``postgresql.insert().on_conflict_do_update``,
+``sqlite.insert()``, ``mysql.insert().on_duplicate_key_update``); the rest of each statement is
+Core built around them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from sqlalchemy import Dialect
+from sqlalchemy import (
+    Dialect,
+    Insert,
+    Integer,
+    Label,
+    String,
+    Table,
+    and_,
+    bindparam,
+    cast,
+    exists,
+    func,
+    insert,
+    literal,
+    null,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.sql import Executable
 
-from idemq.drivers.sql import Plan
-from idemq.errors import StoreConflictError
-from idemq.stores.base import Claim, ClaimRequest
+from idemq.drivers.sql import Plan, Step
+from idemq.errors import ConfigurationError, StoreConflictError
+from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
 from idemq.stores.sql.plans import (
     CLAIM_TRIES,
-    COLS,
-    INSERT_COLS,
-    KEY_WHERE,
-    SAME_PAYLOAD,
-    Ops,
-    json_record,
+    PROCESSED,
+    PROCESSING,
+    SqlPlans,
     key_params,
+    new_row,
+    record_columns,
     row_record,
+    same_payload,
 )
+from idemq.stores.sql.schema import UtcDateTime, as_utc
 
-__all__ = ["MariaDbOps", "MySqlOps", "PostgresOps", "SqliteOps", "ops_for"]
+__all__ = [
+    "MariaDbPlans",
+    "MySqlPlans",
+    "PostgresPlans",
+    "SqlitePlans",
+    "json_record",
+    "plans_for",
+    "record_json",
+]
+
+KEY = ["consumer", "message_id"]  # the primary key: the conflict every claim arbitrates on
 
 
-class PostgresOps(Ops):
-    """One round trip per claim, won or lost (see the module table).
+class PostgresPlans(SqlPlans):
+    """One round trip per claim, won or lost (see the module table)."""
 
-    A lost claim reads the record as columns, not as one JSON text as on MySQL: psycopg's binary
-    loaders are C, so columns cost less than decoding JSON and parsing its timestamps.
-    """
-
-    def __init__(self, table: str, **kw: Any) -> None:
-        super().__init__(table, **kw)
-        self.sql_claim_read = self.sql_get
-        upsert = (
-            f"INSERT INTO {table} AS cur ({INSERT_COLS}) VALUES {{values}} "
-            "ON CONFLICT (consumer, message_id) DO {action} RETURNING 1"
-        )
-        takeover = (
-            "UPDATE SET owner = EXCLUDED.owner, lease_until_ms = EXCLUDED.lease_until_ms, "
-            "attempts = cur.attempts + 1 WHERE cur.status = 0 AND cur.lease_until_ms <= :now_ms "
-            + SAME_PAYLOAD.format(cur="cur", new="EXCLUDED")
-        )
-        # Won: one row (1, NULLs) from the insert. Lost: (0, the record) from the table. (The
-        # NULLs take their types from the other branch.)
-        nulls = ", NULL" * len(COLS.split(","))
-        cte = (
-            f"WITH ins AS ({{insert}}) SELECT 1{nulls} FROM ins UNION ALL "
-            f"SELECT 0, {COLS} FROM {table} "
-            f"WHERE {KEY_WHERE} AND NOT EXISTS (SELECT 1 FROM ins)"
-        )
-        self.sql_claim = {
-            transactional: self.sql(
-                cte.format(
-                    insert=upsert.format(
-                        values=self.VALUES[transactional],
-                        action="NOTHING" if transactional else takeover,
-                    )
-                )
-            )
-            for transactional in (True, False)
+    def __init__(self, table: Table, dialect: Dialect) -> None:
+        super().__init__(table, dialect)
+        self.claim_stmt: dict[bool, Executable] = {
+            tx: self._claim_statement(tx) for tx in (True, False)
         }
+        relation = cast(bindparam("b_name", type_=String), postgresql.REGCLASS)
+        self.size_stmt = select(func.pg_total_relation_size(relation))
 
-    def size(self) -> Plan:
-        # Heap + indexes + TOAST; exact for the relation, includes dead tuples not yet vacuumed.
-        sql = self.sql("SELECT pg_total_relation_size(CAST(:name AS regclass))")
-        reply = yield sql, {"name": self.table}, True
-        return int(reply.rows[0][0]), "pg_total_relation_size (table + indexes + TOAST)"
+    def insert_ignore(self, rows: list[dict[str, Any]]) -> Insert:
+        return postgresql.insert(self.table).values(rows).on_conflict_do_nothing(index_elements=KEY)
 
-    def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
+    def _claim_statement(self, transactional: bool) -> Any:
+        c = self.table.c
+        row = postgresql.insert(self.table).values(new_row(transactional))
+        if transactional:
+            upsert = row.on_conflict_do_nothing(index_elements=KEY)
+        else:
+            upsert = row.on_conflict_do_update(
+                index_elements=KEY,
+                set_={
+                    "owner": row.excluded.owner,
+                    "lease_until_ms": row.excluded.lease_until_ms,
+                    "attempts": c.attempts + 1,
+                },
+                where=and_(
+                    c.status == PROCESSING,
+                    c.lease_until_ms <= bindparam("b_now_ms"),
+                    same_payload(c.payload_hash, row.excluded.payload_hash),
+                ),
+            )
+        inserted = upsert.returning(literal(1)).cte("ins")
+        # Lost: (0, the record) from the table. Won: one row (1, NULLs) from the insert. The
+        # lost branch comes first: its columns give the result its types.
+        lost = select(literal(0).label("won"), *self.columns).where(
+            self.key_is, ~exists(inserted.select())
+        )
+        won = select(literal(1), *[null() for _ in self.columns]).select_from(inserted)
+        return lost.union_all(won)
+
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:
         params = self.claim_params(request, transactional)
         for _ in range(CLAIM_TRIES):
-            reply = yield self.sql_claim[transactional], params, True
+            reply = yield Step(self.claim_stmt[transactional], params)
             if reply.rows:
                 row = reply.rows[0]
-                return Claim.won() if row[0] == 1 else Claim.lost_to(row_record(row[1:]))
+                return Claim.won() if row.won == 1 else Claim.lost_to(row_record(row))
             # The conflicting row was committed while we waited for its lock: it is newer than
             # this statement's snapshot. A fresh statement sees it.
-            reply = yield self.sql_claim_read, key_params(request.key), True
+            reply = yield Step(self.get_stmt, key_params(request.key))
             if reply.rows:
                 return Claim.lost_to(row_record(reply.rows[0]))
         raise StoreConflictError("the record kept vanishing while being claimed")
 
+    def size(self) -> Plan[tuple[int | None, str]]:
+        # Heap + indexes + TOAST; exact for the relation, includes dead tuples not yet vacuumed.
+        name = self.dialect.identifier_preparer.format_table(self.table)
+        reply = yield Step(self.size_stmt, {"b_name": name})
+        return int(reply.rows[0][0]), "pg_total_relation_size (table + indexes + TOAST)"
 
-class SqliteOps(Ops):
-    """``INSERT … ON CONFLICT``; its row count says won or lost. SQLite stores DATETIME as text.
 
-    No ``RETURNING`` and no JSON record: SQLite runs in-process, so a second statement costs no
-    round trip, and both would cost more CPU than they save (RETURNING buffers its rows in a
-    temporary table; columns are free here, unlike PyMySQL's).
+class SqlitePlans(SqlPlans):
+    """``INSERT … ON CONFLICT``; its row count says won or lost.
+
+    No ``RETURNING``: SQLite runs in-process, so the read after a lost claim costs no round trip,
+    and ``RETURNING`` would buffer its rows in a temporary table for every claim.
     """
 
-    def __init__(self, table: str, **kw: Any) -> None:
-        super().__init__(table, **kw)
-        upsert = (
-            f"INSERT INTO {table} ({INSERT_COLS}) VALUES {{values}} "
-            "ON CONFLICT (consumer, message_id) DO {action}"
-        )
-        takeover = (
-            "UPDATE SET owner = excluded.owner, lease_until_ms = excluded.lease_until_ms, "
-            f"attempts = {table}.attempts + 1 "
-            f"WHERE {table}.status = 0 AND {table}.lease_until_ms <= :now_ms "
-            + SAME_PAYLOAD.format(cur=table, new="excluded")
-        )
-        self.sql_claim = {
-            transactional: self.sql(
-                upsert.format(
-                    values=self.VALUES[transactional],
-                    action="NOTHING" if transactional else takeover,
-                )
-            )
-            for transactional in (True, False)
-        }
+    _has_dbstat = text(
+        "SELECT 1 FROM pragma_compile_options WHERE compile_options = 'ENABLE_DBSTAT_VTAB'"
+    )
+    # Pages of the table and of its indexes (the primary key's autoindex included).
+    _dbstat_size = text(
+        "SELECT SUM(pgsize) FROM dbstat WHERE name IN "
+        "(SELECT name FROM sqlite_master WHERE tbl_name = :b_name)"
+    )
+    _file_size = text("SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()")
 
-    def size(self) -> Plan:
-        probe = "SELECT 1 FROM pragma_compile_options WHERE compile_options = 'ENABLE_DBSTAT_VTAB'"
-        if (yield probe, {}, True).rows:
-            # Pages of the table and of its indexes (the primary key's autoindex included).
-            reply = yield (
-                self.sql(
-                    "SELECT SUM(pgsize) FROM dbstat WHERE name IN "
-                    "(SELECT name FROM sqlite_master WHERE tbl_name = :name)"
+    def __init__(self, table: Table, dialect: Dialect) -> None:
+        super().__init__(table, dialect)
+        c = table.c
+        claim_stmt: dict[bool, Executable] = {}
+        for transactional in (True, False):
+            row = sqlite.insert(table).values(new_row(transactional))
+            if transactional:
+                claim_stmt[transactional] = row.on_conflict_do_nothing(index_elements=KEY)
+                continue
+            claim_stmt[transactional] = row.on_conflict_do_update(
+                index_elements=KEY,
+                set_={
+                    "owner": row.excluded.owner,
+                    "lease_until_ms": row.excluded.lease_until_ms,
+                    "attempts": c.attempts + 1,
+                },
+                where=and_(
+                    c.status == PROCESSING,
+                    c.lease_until_ms <= bindparam("b_now_ms"),
+                    same_payload(c.payload_hash, row.excluded.payload_hash),
                 ),
-                {"name": self.name},
-                True,
             )
-            return int(reply.rows[0][0] or 0), "sqlite dbstat (table + indexes)"
-        whole_file = "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()"
-        reply = yield whole_file, {}, True
-        return int(reply.rows[0][0]), "sqlite page_count * page_size (whole database file)"
+        self.claim_stmt = claim_stmt
 
-    def timestamp(self, now_ms: int) -> Any:
-        # SQLAlchemy's SQLite DateTime text format, so Core readers parse what we write.
-        return super().timestamp(now_ms).isoformat(" ", "microseconds")
+    def insert_ignore(self, rows: list[dict[str, Any]]) -> Insert:
+        return sqlite.insert(self.table).values(rows).on_conflict_do_nothing(index_elements=KEY)
 
-    def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:
         params = self.claim_params(request, transactional)
         for _ in range(CLAIM_TRIES):
             # 1: inserted, or (lease mode) an expired lease taken over; 0: the row stays another's.
-            if (yield self.sql_claim[transactional], params, False).rowcount == 1:
+            if (yield Step(self.claim_stmt[transactional], params)).rowcount == 1:
                 return Claim.won()
-            reply = yield self.sql_get, key_params(request.key), True
+            reply = yield Step(self.get_stmt, key_params(request.key))
             if reply.rows:
                 return Claim.lost_to(row_record(reply.rows[0]))
         raise StoreConflictError("the record kept vanishing while being claimed")
 
+    def size(self) -> Plan[tuple[int | None, str]]:
+        if (yield Step(self._has_dbstat, {})).rows:
+            reply = yield Step(self._dbstat_size, {"b_name": self.table.name})
+            return int(reply.rows[0][0] or 0), "sqlite dbstat (table + indexes)"
+        reply = yield Step(self._file_size, {})
+        return int(reply.rows[0][0]), "sqlite page_count * page_size (whole database file)"
 
-class MySqlOps(Ops):
-    """MySQL 8: the generic insert-ignore plan with locking reads; LIMIT-ed DELETE for purge."""
 
-    insert_ignore = "INSERT IGNORE INTO {t} ({cols}) VALUES {values}"
-    lock_suffix = " LOCK IN SHARE MODE"
-    purge_template = (
-        "DELETE FROM {t} WHERE status = 1 AND processed_time < :cutoff "
-        "ORDER BY processed_time LIMIT :limit"
+def record_json(table: Table) -> Label[Any]:
+    """The record but its key as ONE JSON text column (``json_record`` reads it back).
+
+    A claim on MySQL or MariaDB reads the record back this way because PyMySQL parses every
+    column descriptor of a result in Python: one column costs a duplicate far less than eleven.
+    """
+    return func.json_array(*record_columns(table)[2:]).label("record")
+
+
+def json_record(key: Key, text: str) -> Record:
+    """A record from :func:`record_json`'s column, in :func:`record_columns`' order."""
+    (status, business_id, payload_hash, result, owner, lease_until_ms, attempts, created, done) = (
+        json.loads(text)
+    )
+    return Record(
+        consumer=key.consumer,
+        message_id=key.message_id,
+        status=RecordStatus(status),
+        business_id=business_id,
+        payload_hash=payload_hash,
+        result=result,
+        owner=owner,
+        lease_until_ms=lease_until_ms,
+        attempts=attempts,
+        created_time=as_utc(created),
+        processed_time=None if done is None else as_utc(done),
     )
 
-    def size(self) -> Plan:
-        # InnoDB refreshes these statistics lazily (ANALYZE TABLE forces it): approximate.
-        sql = self.sql(
-            "SELECT data_length + index_length FROM information_schema.tables "
-            "WHERE table_schema = COALESCE(:schema, DATABASE()) AND table_name = :name"
+
+class MySqlPlans(SqlPlans):
+    """MySQL 8: insert-ignore, a conditional takeover, then a locking read of the winner."""
+
+    # InnoDB refreshes these statistics lazily (ANALYZE TABLE forces it): approximate.
+    _size = text(
+        "SELECT data_length + index_length FROM information_schema.tables "
+        "WHERE table_schema = COALESCE(:b_schema, DATABASE()) AND table_name = :b_name"
+    )
+
+    def __init__(self, table: Table, dialect: Dialect) -> None:
+        super().__init__(table, dialect)
+        c = table.c
+        # A locking read sees the latest committed row, not this transaction's snapshot.
+        self.claim_read_stmt = (
+            select(record_json(table)).where(self.key_is).with_for_update(read=True)
         )
-        reply = yield sql, {"schema": self.schema, "name": self.name}, True
+        self.batch_stmt = self.batch_stmt.with_for_update(read=True)
+        self.claim_stmt: dict[bool, Executable] = {
+            tx: self.insert_ignore([new_row(tx)]) for tx in (True, False)
+        }
+        self.takeover_stmt = (
+            update(table)
+            .where(
+                self.key_is,
+                c.status == PROCESSING,
+                c.lease_until_ms <= bindparam("b_now_ms"),
+                same_payload(c.payload_hash, bindparam("b_payload_hash")),
+            )
+            .values(
+                owner=bindparam("b_owner"),
+                lease_until_ms=bindparam("b_lease_until_ms"),
+                attempts=c.attempts + 1,
+            )
+        )
+        # MySQL refuses LIMIT in an IN subquery, and DELETE … ORDER BY … LIMIT has no Core form.
+        quoted = dialect.identifier_preparer.format_table(table)
+        self.purge_stmt = text(
+            f"DELETE FROM {quoted} WHERE status = {PROCESSED} AND processed_time < :b_cutoff "
+            "ORDER BY processed_time LIMIT :b_limit"
+        ).bindparams(
+            bindparam("b_cutoff", type_=UtcDateTime()), bindparam("b_limit", type_=Integer())
+        )
+
+    def insert_ignore(self, rows: list[dict[str, Any]]) -> Insert:
+        return insert(self.table).values(rows).prefix_with("IGNORE")
+
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:
+        params = self.claim_params(request, transactional)
+        for _ in range(CLAIM_TRIES):
+            if (yield Step(self.claim_stmt[transactional], params)).rowcount == 1:
+                return Claim.won()
+            if not transactional and (yield Step(self.takeover_stmt, params)).rowcount == 1:
+                return Claim.won()
+            reply = yield Step(self.claim_read_stmt, key_params(request.key))
+            if reply.rows:
+                return Claim.lost_to(json_record(request.key, reply.rows[0].record))
+        raise StoreConflictError("the record kept vanishing while being claimed")
+
+    def size(self) -> Plan[tuple[int | None, str]]:
+        reply = yield Step(self._size, {"b_schema": self.table.schema, "b_name": self.table.name})
         value = reply.rows[0][0] if reply.rows else None
         return (
             None if value is None else int(value),
@@ -184,60 +293,57 @@ class MySqlOps(Ops):
         )
 
 
-class MariaDbOps(MySqlOps):
+class MariaDbPlans(MySqlPlans):
     """MariaDB ≥ 10.5: ``INSERT … ON DUPLICATE KEY UPDATE … RETURNING`` claims in one statement."""
 
-    def __init__(self, table: str, **kw: Any) -> None:
-        super().__init__(table, **kw)
-        upsert = f"INSERT INTO {table} ({INSERT_COLS}) VALUES {{}} ON DUPLICATE KEY UPDATE "
-        # Assignments run left to right and see earlier ones: owner changes first, and only
-        # when the lease expired; the other columns follow the owner, so the takeover is all or
-        # nothing within one row lock.
-        takeover = (
-            "owner = IF(status = 0 AND lease_until_ms <= :now_ms AND (payload_hash IS NULL OR "
-            "VALUES(payload_hash) IS NULL OR payload_hash = VALUES(payload_hash)), "
-            "VALUES(owner), owner), "
-            "attempts = IF(owner = VALUES(owner), attempts + 1, attempts), "
-            "lease_until_ms = IF(owner = VALUES(owner), VALUES(lease_until_ms), lease_until_ms)"
-        )
-        returning = f" RETURNING owner, {self.record_json}"
-        self.sql_claim = {
-            True: self.sql(upsert.format(self.VALUES[True]) + "attempts = attempts" + returning),
-            False: self.sql(upsert.format(self.VALUES[False]) + takeover + returning),
-        }
+    def __init__(self, table: Table, dialect: Dialect) -> None:
+        super().__init__(table, dialect)
+        c = table.c
+        claim_stmt: dict[bool, Executable] = {}
+        for transactional in (True, False):
+            row = mysql.insert(table).values(new_row(transactional))
+            new = row.inserted
+            if transactional:  # a no-op update, so that RETURNING hands back the existing row
+                upsert = row.on_duplicate_key_update(attempts=c.attempts)
+            else:
+                # Assignments run left to right and see earlier ones: the owner changes first,
+                # and only when the lease expired; the other columns follow the owner, so the
+                # takeover is all or nothing within one row lock.
+                expired = and_(
+                    c.status == PROCESSING,
+                    c.lease_until_ms <= bindparam("b_now_ms"),
+                    same_payload(c.payload_hash, new.payload_hash),
+                )
+                taken = c.owner == new.owner
+                upsert = row.on_duplicate_key_update(
+                    [
+                        ("owner", func.IF(expired, new.owner, c.owner)),
+                        ("attempts", func.IF(taken, c.attempts + 1, c.attempts)),
+                        ("lease_until_ms", func.IF(taken, new.lease_until_ms, c.lease_until_ms)),
+                    ]
+                )
+            claim_stmt[transactional] = upsert.returning(c.owner, record_json(table))
+        self.claim_stmt = claim_stmt
 
-    def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
-        reply = yield (
-            self.sql_claim[transactional],
-            self.claim_params(request, transactional),
-            True,
-        )
-        owner, record = reply.rows[0]
-        if owner == request.owner:
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:
+        params = self.claim_params(request, transactional)
+        row = (yield Step(self.claim_stmt[transactional], params)).rows[0]
+        if row.owner == request.owner:
             return Claim.won()
-        return Claim.lost_to(json_record(request.key, record))
+        return Claim.lost_to(json_record(request.key, row.record))
 
 
-def ops_for(
-    dialect: Dialect,
-    table: str,
-    *,
-    mysql_flavor: str | None = None,
-    name: str | None = None,
-    schema: str | None = None,
-) -> Ops:
-    """The plans for ``dialect``; ``mysql_flavor`` ("mysql"/"mariadb") overrides detection.
-
-    ``table`` is the quoted name used in statements; ``name``/``schema`` the unquoted parts,
-    for catalog lookups."""
-    pyformat = dialect.paramstyle in ("pyformat", "format")
-    kw: dict[str, Any] = {"pyformat": pyformat, "name": name, "schema": schema}
+def plans_for(dialect: Dialect, table: Table, *, mysql_flavor: str | None = None) -> SqlPlans:
+    """The plans for ``table`` on ``dialect``; ``mysql_flavor`` ("mysql"/"mariadb") overrides
+    detection (known once a connection saw the server)."""
     if dialect.name == "postgresql":
-        return PostgresOps(table, **kw)
+        return PostgresPlans(table, dialect)
     if dialect.name == "sqlite":
-        return SqliteOps(table, **kw)
+        return SqlitePlans(table, dialect)
     if dialect.name in ("mysql", "mariadb"):
         flavor = mysql_flavor or ("mariadb" if getattr(dialect, "is_mariadb", False) else "mysql")
-        cls = MariaDbOps if flavor == "mariadb" else MySqlOps
-        return cls(table, **kw)
-    return Ops(table, **kw)
+        cls = MariaDbPlans if flavor == "mariadb" else MySqlPlans
+        return cls(table, dialect)
+    raise ConfigurationError(
+        f"the SQL store runs on PostgreSQL, SQLite, MariaDB and MySQL, not {dialect.name!r}"
+    )

@@ -1,223 +1,267 @@
-"""The SQL of every store primitive, written once as I/O-free *plans* (portable SQL here).
+"""The SQL of every store primitive, written once as sans-I/O plans: the portable part.
 
-A plan is a generator that yields ``(sql, params, returns_rows)`` steps and receives each
-step's :class:`Reply`; its return value is the primitive's answer.
-:class:`~idemq.stores.sql.SqlStore` runs plans on a sync connection (straight on the DBAPI
-cursor: SQLAlchemy's compiler and result machinery stay out of the per-message path, see
-``bench/sql_guard.py``) and :class:`~idemq.stores.sql.AsyncSqlStore` on an async one, so the two
-cannot drift apart.
+A plan (:data:`idemq.drivers.sql.Plan`) yields :class:`~idemq.drivers.sql.Step`\\ s (a statement
+built once per store, and this call's parameters) and receives each step's reply; its return
+value is the primitive's answer. :class:`~idemq.stores.sql.SqlStore` carries plans out on a sync
+connection and :class:`~idemq.stores.sql.AsyncSqlStore` on an async one, so the two cannot drift
+apart.
+
+Bind parameters are named ``b_<what>``, never like a column: ``Connection.execute`` turns a
+parameter named like a column into one more ``SET`` (or ``VALUES``) entry of an UPDATE (INSERT),
+so a parameter called ``owner`` would silently rewrite the owner of a row it only meant to match.
 
 What differs per dialect (the claim, above all) is in :mod:`idemq.stores.sql.dialects`.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
-from idemq.drivers.sql import Plan
-from idemq.errors import StoreConflictError
+from sqlalchemy import (
+    ColumnElement,
+    Dialect,
+    Insert,
+    Row,
+    Select,
+    Table,
+    and_,
+    bindparam,
+    case,
+    delete,
+    func,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.sql.expression import ColumnClause
+
+from idemq.drivers.sql import Plan, Step
+from idemq.errors import LeaseLostError
 from idemq.stores.base import (
     MILLISECOND,
     Claim,
     ClaimRequest,
+    ForgetResult,
     Key,
     Record,
     RecordStatus,
     StoreStats,
 )
-from idemq.stores.sql.schema import as_utc
 
 __all__ = [
     "CLAIM_TRIES",
-    "COLS",
-    "INSERT_COLS",
-    "KEY_WHERE",
-    "SAME_PAYLOAD",
-    "Ops",
-    "Plan",
-    "json_record",
+    "PROCESSED",
+    "PROCESSING",
+    "SqlPlans",
     "key_params",
+    "new_row",
+    "record_columns",
     "row_record",
+    "same_payload",
 ]
 
-COLS = (
-    "consumer, message_id, status, business_id, payload_hash, result, owner, "
-    "lease_until_ms, attempts, created_time, processed_time"
-)
-INSERT_COLS = (
-    "consumer, message_id, business_id, status, payload_hash, result, owner, "
-    "lease_until_ms, attempts, processed_time, created_time"
-)
-KEY_WHERE = "consumer = :consumer AND message_id = :message_id"
 EPOCH = datetime(1970, 1, 1)  # naive UTC, as the DATETIME columns hold it
 CLAIM_TRIES = 3  # a lost claim whose row vanished (released meanwhile) is claimed again
+PROCESSING = int(RecordStatus.PROCESSING)  # plain ints: drivers render an IntEnum differently
+PROCESSED = int(RecordStatus.PROCESSED)
 
 
-_STATUSES = {int(status): status for status in RecordStatus}
+def record_columns(table: Table) -> list[ColumnClause[Any]]:
+    """The columns a :class:`~idemq.stores.base.Record` is read from (by name)."""
+    c = table.c
+    return [
+        c.consumer,
+        c.message_id,
+        c.status,
+        c.business_id,
+        c.payload_hash,
+        c.result,
+        c.owner,
+        c.lease_until_ms,
+        c.attempts,
+        c.created_time,
+        c.processed_time,
+    ]
 
 
-def row_record(row: Sequence[Any]) -> Record:
-    """A record from a row of :data:`COLS` (positional: a duplicate builds one per message)."""
+def row_record(row: Row[Any]) -> Record:
+    """A record from a row of :func:`record_columns` (typed columns: times come back aware UTC)."""
     return Record(
-        row[0],
-        row[1],
-        _STATUSES[int(row[2])],
-        row[3],
-        row[4],
-        row[5],
-        row[6],
-        None if row[7] is None else int(row[7]),
-        int(row[8]),
-        None if row[9] is None else as_utc(row[9]),
-        None if row[10] is None else as_utc(row[10]),
+        consumer=row.consumer,
+        message_id=row.message_id,
+        status=RecordStatus(row.status),
+        business_id=row.business_id,
+        payload_hash=row.payload_hash,
+        result=row.result,
+        owner=row.owner,
+        lease_until_ms=row.lease_until_ms,
+        attempts=row.attempts,
+        created_time=row.created_time,
+        processed_time=row.processed_time,
     )
 
 
-# An expired lease is taken over only by the same message: a different payload under the same id
-# must stay a lost claim, so the guard sees the record and raises PayloadMismatchError.
-SAME_PAYLOAD = (
-    "AND ({cur}.payload_hash IS NULL OR {new}.payload_hash IS NULL "
-    "OR {cur}.payload_hash = {new}.payload_hash)"
-)
-
-# The claim path reads a record as ONE JSON text column: drivers pay per column (PyMySQL parses
-# every column descriptor in Python — measured at ~100 µs for the full row), one column is cheap.
-JSON_COLS = (
-    "status, business_id, payload_hash, result, owner, lease_until_ms, attempts, "
-    "created_time, processed_time"
-)
+def same_payload(current: ColumnElement[Any], new: ColumnElement[Any]) -> ColumnElement[bool]:
+    """An expired lease is taken over only by the same message: a different payload under the
+    same id must stay a lost claim, so the guard sees the record and raises
+    PayloadMismatchError."""
+    return or_(current.is_(None), new.is_(None), current == new)
 
 
-def json_record(key: Key, text: str | bytes) -> Record:
-    """A record read by the claim path (``record_json`` of :class:`Ops`): :data:`JSON_COLS` are
-    :data:`COLS` without the key, in the same order."""
-    return row_record((key.consumer, key.message_id, *json.loads(text)))
+def new_row(transactional: bool, suffix: str = "") -> dict[str, Any]:
+    """The VALUES of a claim's new row, bound to :meth:`SqlPlans.claim_params` (``suffix``: the
+    row's index in a multi-row insert).
+
+    Inside the business transaction it is written PROCESSED with result ``'null'``
+    (= ``encode_result(None)``: a handler returning None needs no second statement); in lease
+    mode PROCESSING, with the owner's lease.
+    """
+
+    def bound(name: str) -> Any:
+        return bindparam(f"b_{name}{suffix}")
+
+    row = {
+        "consumer": bound("consumer"),
+        "message_id": bound("message_id"),
+        "business_id": bound("business_id"),
+        "payload_hash": bound("payload_hash"),
+        "owner": bound("owner"),
+        "attempts": 1,
+        "created_time": bound("now"),
+    }
+    if transactional:
+        row |= {"status": PROCESSED, "result": "null", "lease_until_ms": None}
+        row["processed_time"] = bound("now")
+    else:
+        row |= {"status": PROCESSING, "result": None, "processed_time": None}
+        row["lease_until_ms"] = bound("lease_until_ms")
+    return row
 
 
 def key_params(key: Key) -> dict[str, Any]:
-    return {"consumer": key.consumer, "message_id": key.message_id}
+    """The parameters of :attr:`SqlPlans.key_is`."""
+    return {"b_consumer": key.consumer, "b_message_id": key.message_id}
 
 
-class Ops:
-    """Portable SQL; dialects override the claim. ``table`` is the already-quoted table name."""
+class SqlPlans:
+    """The plans of one store's table; a dialect subclass supplies the claim and its insert.
 
-    insert_ignore = (
-        "INSERT INTO {t} ({cols}) VALUES {values} ON CONFLICT (consumer, message_id) DO NOTHING"
-    )
-    lock_suffix = ""  # MySQL reads the latest committed row with a locking read
-    record_json = f"json_array({JSON_COLS})"  # SQLite >= 3.38, MySQL, MariaDB
+    Every statement is built here once, so SQLAlchemy compiles each once per dialect and finds it
+    in its compiled cache afterwards.
+    """
 
-    def __init__(
-        self, table: str, *, pyformat: bool, name: str | None = None, schema: str | None = None
-    ) -> None:
+    def __init__(self, table: Table, dialect: Dialect) -> None:
         self.table = table
-        self._pyformat = pyformat
-        self.name = name or table  # unquoted, for catalog lookups (size)
-        self.schema = schema
-        t = table
-        self.sql_get = self.sql(f"SELECT {COLS} FROM {t} WHERE {KEY_WHERE}")
-        self.sql_claim_read = self.sql(
-            f"SELECT {self.record_json} FROM {t} WHERE {KEY_WHERE}{self.lock_suffix}"
+        self.dialect = dialect
+        self.columns = record_columns(table)
+        c = table.c
+        owner_is = c.owner == bindparam("b_owner")
+        self.key_is = and_(
+            c.consumer == bindparam("b_consumer"), c.message_id == bindparam("b_message_id")
         )
-        self.sql_find = self.sql(
-            f"SELECT {COLS} FROM {t} WHERE message_id = :message_id ORDER BY consumer"
+        self.get_stmt: Select[Any] = select(*self.columns).where(self.key_is)
+        self.find_stmt = (
+            select(*self.columns)
+            .where(c.message_id == bindparam("b_message_id"))
+            .order_by(c.consumer)
         )
-        self.sql_in_progress = self.sql(
-            f"SELECT {COLS} FROM {t} WHERE status = 0 ORDER BY created_time LIMIT :limit"
+        self.in_progress_stmt = (
+            select(*self.columns)
+            .where(c.status == PROCESSING)
+            .order_by(c.created_time)
+            .limit(bindparam("b_limit"))
         )
-        self.sql_save_result = self.sql(f"UPDATE {t} SET result = :result WHERE {KEY_WHERE}")
-        self.sql_complete = self.sql(
-            f"UPDATE {t} SET status = 1, result = :result, processed_time = :now, "
-            f"lease_until_ms = NULL WHERE {KEY_WHERE} AND status = 0 AND owner = :owner"
+        # The rows claim_many inserted or lost to, read in one statement.
+        self.batch_stmt = select(*self.columns).where(
+            c.consumer == bindparam("b_consumer"),
+            c.message_id.in_(bindparam("b_message_ids", expanding=True)),
         )
-        self.sql_release = self.sql(
-            f"DELETE FROM {t} WHERE {KEY_WHERE} AND status = 0 AND owner = :owner"
+        self.save_result_stmt = (
+            update(table).where(self.key_is).values(result=bindparam("b_result"))
         )
-        self.sql_release_in = self.sql(f"DELETE FROM {t} WHERE {KEY_WHERE} AND owner = :owner")
-        self.sql_takeover = self.sql(
-            f"UPDATE {t} SET owner = :owner, lease_until_ms = :lease_until_ms, "
-            f"attempts = attempts + 1 WHERE {KEY_WHERE} AND status = 0 "
-            "AND lease_until_ms <= :now_ms AND (payload_hash IS NULL OR :payload_hash IS NULL "
-            "OR payload_hash = :payload_hash)"
+        self.complete_stmt = (
+            update(table)
+            .where(self.key_is, c.status == PROCESSING, owner_is)
+            .values(
+                status=PROCESSED,
+                result=bindparam("b_result"),
+                processed_time=bindparam("b_now"),
+                lease_until_ms=None,
+            )
         )
-        self.sql_purge = self.sql(self.purge_template.format(t=t))
-        self.sql_force_release = self.sql(f"DELETE FROM {t} WHERE {KEY_WHERE} AND status = 0")
+        self.release_stmt = delete(table).where(self.key_is, c.status == PROCESSING, owner_is)
+        self.release_in_stmt = delete(table).where(self.key_is, owner_is)
+        self.force_release_stmt = delete(table).where(self.key_is, c.status == PROCESSING)
+        self.renew_stmt = (
+            update(table)
+            .where(self.key_is, c.status == PROCESSING, owner_is)
+            .values(lease_until_ms=bindparam("b_lease_until_ms"))
+        )
+        # A processed record or an expired claim; a live lease only by forget_any_stmt.
+        self.forget_stmt = delete(table).where(
+            self.key_is,
+            or_(c.status == PROCESSED, c.lease_until_ms <= bindparam("b_now_ms")),
+        )
+        self.forget_any_stmt = delete(table).where(self.key_is)
+        self.purge_stmt: Any = delete(table).where(
+            tuple_(c.consumer, c.message_id).in_(
+                select(c.consumer, c.message_id)
+                .where(c.status == PROCESSED, c.processed_time < bindparam("b_cutoff"))
+                .limit(bindparam("b_limit"))
+            )
+        )
         # One scan of the table answers every count; transactional-mode rows are always
-        # status 1 with no lease, so only lease-mode claims can be stuck.
-        self.sql_stats = self.sql(
-            "SELECT SUM(CASE WHEN status = 0 THEN 1 ELSE 0 END), "
-            "SUM(CASE WHEN status = 1 THEN 1 ELSE 0 END), "
-            "SUM(CASE WHEN status = 0 AND lease_until_ms <= :now_ms THEN 1 ELSE 0 END), "
-            f"MIN(CASE WHEN status = 0 THEN created_time END), MIN(processed_time) FROM {t}"
+        # PROCESSED with no lease, so only lease-mode claims can be stuck.
+        processing = c.status == PROCESSING
+        stuck = and_(processing, c.lease_until_ms <= bindparam("b_now_ms"))
+        self.stats_stmt = select(
+            func.sum(case((processing, 1), else_=0)).label("processing"),
+            func.sum(case((c.status == PROCESSED, 1), else_=0)).label("processed"),
+            func.sum(case((stuck, 1), else_=0)).label("stuck"),
+            func.min(case((processing, c.created_time))).label("oldest_processing"),
+            func.min(c.processed_time).label("oldest_processed"),
         )
+        # Built on first use per batch size: one multi-row INSERT per size seen.
+        self._insert_many: dict[tuple[bool, int], Insert] = {}
 
-    purge_template = (
-        "DELETE FROM {t} WHERE (consumer, message_id) IN (SELECT consumer, message_id FROM {t} "
-        "WHERE status = 1 AND processed_time < :cutoff LIMIT :limit)"
-    )
+    # -- what a dialect supplies -------------------------------------------------------------
 
-    # -- rendering ---------------------------------------------------------------------------
+    def insert_ignore(self, rows: list[dict[str, Any]]) -> Insert:
+        """``INSERT`` of ``rows`` that skips a row whose key exists (in this dialect's words)."""
+        raise NotImplementedError
 
-    def sql(self, text: str) -> str:
-        """``:name`` placeholders → the driver's style (``%(name)s`` for psycopg/PyMySQL)."""
-        if not self._pyformat:
-            return text
-        return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", text)
+    def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:
+        """Insert the record, take over an expired lease (lease mode), or hand back the record."""
+        raise NotImplementedError
 
-    def timestamp(self, now_ms: int) -> Any:
-        """A naive-UTC DATETIME parameter (SQLite overrides: it stores text)."""
-        return EPOCH + MILLISECOND * now_ms
-
-    def claim_params(self, request: ClaimRequest, transactional: bool) -> dict[str, Any]:
-        """Parameters of :data:`VALUES` ``[transactional]`` (only those: drivers escape each)."""
-        params = {
-            "consumer": request.key.consumer,
-            "message_id": request.key.message_id,
-            "business_id": request.business_id,
-            "payload_hash": request.payload_hash,
-            "owner": request.owner,
-            "now": self.timestamp(request.now_ms),
-        }
-        if not transactional:
-            params["lease_until_ms"] = request.lease_until_ms
-            params["now_ms"] = request.now_ms
-        return params
-
-    # The new row. Inside the business transaction it is written PROCESSED, with result 'null'
-    # (= encode_result(None): a handler returning None needs no second statement); in lease mode
-    # PROCESSING, with the owner's lease.
-    VALUES: ClassVar[dict[bool, str]] = {
-        True: "(:consumer, :message_id, :business_id, 1, :payload_hash, 'null', :owner, "
-        "NULL, 1, :now, :now)",
-        False: "(:consumer, :message_id, :business_id, 0, :payload_hash, NULL, :owner, "
-        ":lease_until_ms, 1, NULL, :now)",
-    }
+    def size(self) -> Plan[tuple[int | None, str]]:
+        """``(bytes or None, how)``: the table's size as the database reports it."""
+        yield from ()  # a plan with no statement: no size function known for this dialect
+        return None, "unknown on this database"
 
     # -- claims ------------------------------------------------------------------------------
 
-    def claim(self, request: ClaimRequest, transactional: bool) -> Plan:
-        """Generic claim (MySQL): insert-ignore, conditional takeover, then read the winner."""
-        params = self.claim_params(request, transactional)
-        insert = self.sql(
-            self.insert_ignore.format(
-                t=self.table, cols=INSERT_COLS, values=self.VALUES[transactional]
-            )
-        )
-        for _ in range(CLAIM_TRIES):
-            if (yield insert, params, False).rowcount == 1:
-                return Claim.won()
-            if not transactional and (yield self.sql_takeover, params, False).rowcount == 1:
-                return Claim.won()
-            reply = yield self.sql_claim_read, key_params(request.key), True
-            if reply.rows:
-                return Claim.lost_to(json_record(request.key, reply.rows[0][0]))
-        raise StoreConflictError("the record kept vanishing while being claimed")
+    def claim_params(self, request: ClaimRequest, transactional: bool) -> dict[str, Any]:
+        """The parameters of :func:`new_row` ``(transactional)`` (plus the takeover's clock)."""
+        params: dict[str, Any] = {
+            "b_consumer": request.key.consumer,
+            "b_message_id": request.key.message_id,
+            "b_business_id": request.business_id,
+            "b_payload_hash": request.payload_hash,
+            "b_owner": request.owner,
+            "b_now": EPOCH + MILLISECOND * request.now_ms,
+        }
+        if not transactional:
+            params["b_lease_until_ms"] = request.lease_until_ms
+            params["b_now_ms"] = request.now_ms
+        return params
 
-    def claim_many(self, requests: Sequence[ClaimRequest], transactional: bool) -> Plan:
+    def claim_many(
+        self, requests: Sequence[ClaimRequest], transactional: bool
+    ) -> Plan[list[Claim]]:
         """One multi-row insert-ignore and one read for the whole batch (rare cases: per row)."""
         if not requests:
             return []
@@ -225,22 +269,18 @@ class Ops:
         # instead of deadlocking.
         ordered = sorted(requests, key=lambda r: r.key.message_id)
         params: dict[str, Any] = {}
-        values = []
         for i, request in enumerate(ordered):
-            values.append(re.sub(r":(\w+)", rf":\g<1>{i}", self.VALUES[transactional]))
             row = self.claim_params(request, transactional)
             params.update({f"{name}{i}": value for name, value in row.items()})
-        insert = self.insert_ignore.format(t=self.table, cols=INSERT_COLS, values=", ".join(values))
-        inserted = (yield self.sql(insert), params, False).rowcount
+        inserted = (yield Step(self._insert_rows(transactional, len(ordered)), params)).rowcount
         if inserted == len(requests) and transactional:
             return [Claim.won()] * len(requests)
-        ids = {f"m{i}": r.key.message_id for i, r in enumerate(requests)}
-        select = (
-            f"SELECT {COLS} FROM {self.table} WHERE consumer = :consumer AND message_id IN "
-            f"({', '.join(':' + name for name in ids)}){self.lock_suffix}"
-        )
-        reply = yield self.sql(select), {"consumer": requests[0].key.consumer, **ids}, True
-        found = {row[1]: row_record(row) for row in reply.rows}
+        read = {
+            "b_consumer": requests[0].key.consumer,
+            "b_message_ids": [r.key.message_id for r in requests],
+        }
+        reply = yield Step(self.batch_stmt, read)
+        found = {row.message_id: row_record(row) for row in reply.rows}
         claims = []
         for request in requests:
             record = found.get(request.key.message_id)
@@ -252,63 +292,87 @@ class Ops:
                 claims.append(Claim.lost_to(record))
         return claims
 
+    def _insert_rows(self, transactional: bool, count: int) -> Insert:
+        statement = self._insert_many.get((transactional, count))
+        if statement is None:
+            rows = [new_row(transactional, str(i)) for i in range(count)]
+            statement = self._insert_many[transactional, count] = self.insert_ignore(rows)
+        return statement
+
     # -- the other primitives ----------------------------------------------------------------
 
-    def save_result(self, key: Key, result: str) -> Plan:
-        yield self.sql_save_result, {**key_params(key), "result": result}, False
+    def save_result(self, key: Key, result: str) -> Plan[None]:
+        yield Step(self.save_result_stmt, {**key_params(key), "b_result": result})
 
-    def complete(self, key: Key, owner: str, result: str, now_ms: int) -> Plan:
+    def complete(self, key: Key, owner: str, result: str, now_ms: int) -> Plan[None]:
+        """PROCESSING → PROCESSED; :class:`~idemq.LeaseLostError` unless ``owner`` holds it."""
         params = {
             **key_params(key),
-            "owner": owner,
-            "result": result,
-            "now": self.timestamp(now_ms),
+            "b_owner": owner,
+            "b_result": result,
+            "b_now": EPOCH + MILLISECOND * now_ms,
         }
-        return (yield self.sql_complete, params, False).rowcount == 1
+        if (yield Step(self.complete_stmt, params)).rowcount != 1:
+            raise LeaseLostError(
+                f"lease on {key.message_id!r} ({key.consumer}) was lost before complete"
+            )
 
-    def release(self, key: Key, owner: str) -> Plan:
-        yield self.sql_release, {**key_params(key), "owner": owner}, False
+    def release(self, key: Key, owner: str) -> Plan[None]:
+        yield Step(self.release_stmt, {**key_params(key), "b_owner": owner})
 
-    def release_in(self, key: Key, owner: str) -> Plan:
+    def release_in(self, key: Key, owner: str) -> Plan[None]:
         """Undo a batch claim (written as PROCESSED) inside its transaction."""
-        yield self.sql_release_in, {**key_params(key), "owner": owner}, False
+        yield Step(self.release_in_stmt, {**key_params(key), "b_owner": owner})
 
-    def get(self, key: Key) -> Plan:
-        reply = yield self.sql_get, key_params(key), True
+    def get(self, key: Key) -> Plan[Record | None]:
+        reply = yield Step(self.get_stmt, key_params(key))
         return row_record(reply.rows[0]) if reply.rows else None
 
-    def find(self, message_id: str) -> Plan:
-        reply = yield self.sql_find, {"message_id": message_id}, True
+    def find(self, message_id: str) -> Plan[list[Record]]:
+        reply = yield Step(self.find_stmt, {"b_message_id": message_id})
         return [row_record(row) for row in reply.rows]
 
-    def in_progress(self, limit: int) -> Plan:
-        reply = yield self.sql_in_progress, {"limit": limit}, True
+    def in_progress(self, limit: int) -> Plan[list[Record]]:
+        reply = yield Step(self.in_progress_stmt, {"b_limit": limit})
         return [row_record(row) for row in reply.rows]
 
-    def purge_batch(self, cutoff_ms: int, limit: int) -> Plan:
-        reply = yield self.sql_purge, {"cutoff": self.timestamp(cutoff_ms), "limit": limit}, False
-        return reply.rowcount
+    def purge_batch(self, cutoff_ms: int, limit: int) -> Plan[int]:
+        params = {"b_cutoff": EPOCH + MILLISECOND * cutoff_ms, "b_limit": limit}
+        return (yield Step(self.purge_stmt, params)).rowcount
 
-    def force_release(self, key: Key) -> Plan:
+    def renew(self, key: Key, owner: str, lease_until_ms: int) -> Plan[bool]:
+        """Extend ``owner``'s live claim; False when ``owner`` no longer holds it."""
+        params = {**key_params(key), "b_owner": owner, "b_lease_until_ms": lease_until_ms}
+        return (yield Step(self.renew_stmt, params)).rowcount == 1
+
+    def forget(self, key: Key, *, force: bool, now_ms: int) -> Plan[ForgetResult]:
+        """Delete ``key``'s record unless it is a live lease (or ``force``); the read after a
+        refused delete is in the same transaction, so it sees what the delete saw."""
+        if force:
+            deleted = (yield Step(self.forget_any_stmt, key_params(key))).rowcount
+        else:
+            params = {**key_params(key), "b_now_ms": now_ms}
+            deleted = (yield Step(self.forget_stmt, params)).rowcount
+        if deleted:
+            return ForgetResult.FORGOTTEN
+        if force or not (yield Step(self.get_stmt, key_params(key))).rows:
+            return ForgetResult.NOT_FOUND
+        return ForgetResult.LIVE_LEASE
+
+    def force_release(self, key: Key) -> Plan[bool]:
         """Delete the PROCESSING record whoever owns it (never a PROCESSED one)."""
-        return (yield self.sql_force_release, key_params(key), False).rowcount == 1
+        return (yield Step(self.force_release_stmt, key_params(key))).rowcount == 1
 
-    def stats(self, now_ms: int) -> Plan:
-        reply = yield self.sql_stats, {"now_ms": now_ms}, True
-        processing, processed, stuck, oldest_processing, oldest_processed = reply.rows[0]
+    def stats(self, now_ms: int) -> Plan[StoreStats]:
+        counts = (yield Step(self.stats_stmt, {"b_now_ms": now_ms})).rows[0]
         size_bytes, size_method = yield from self.size()
         return StoreStats(
-            processing=int(processing or 0),
-            processed=int(processed or 0),
-            stuck=int(stuck or 0),
-            oldest_processing=None if oldest_processing is None else as_utc(oldest_processing),
-            oldest_processed=None if oldest_processed is None else as_utc(oldest_processed),
+            processing=int(counts.processing or 0),
+            processed=int(counts.processed or 0),
+            stuck=int(counts.stuck or 0),
+            oldest_processing=counts.oldest_processing,
+            oldest_processed=counts.oldest_processed,
             size_bytes=size_bytes,
             size_method=size_method,
             now_ms=now_ms,
         )
-
-    def size(self) -> Plan:
-        """``(bytes or None, how)``: the table's size as the database reports it."""
-        yield from ()  # a plan with no statement: the generic dialect has no size function
-        return None, "unknown on this database"

@@ -1,44 +1,41 @@
-"""``AsyncSqlStore``: the asyncio twin of :class:`~idemq.stores.sql.SqlStore`.
+"""``AsyncSqlStore``: :class:`~idemq.stores.sql.SqlStore` on an asyncio engine.
 
-Same plans (:mod:`idemq.stores.sql.plans`), same base, same plumbing (:mod:`idemq.drivers.sql`);
-only the connection is async (psycopg 3 async, asyncmy, aiosqlite).
+The same plans (:mod:`idemq.stores.sql.dialects`), the same base, the same boundary
+(:mod:`idemq.drivers.sql`); only the connection is async (psycopg 3 async, asyncmy, aiosqlite).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from idemq._clock import system_clock_ms
-from idemq.drivers.sql import (
-    IdleConnections,
-    arun,
-    async_url,
-    keep_limit,
-    parse_url,
-    prepare_sqlite,
-    reusable,
-    translate_errors,
+from idemq.drivers.sql import abegin, arun, async_engine_from_url, translated
+from idemq.errors import ConfigurationError, StoreError
+from idemq.stores.base import (
+    DEFAULT_CONSUMER,
+    Claim,
+    ClaimRequest,
+    ForgetResult,
+    Key,
+    Record,
+    StoreStats,
 )
-from idemq.errors import (
-    ConfigurationError,
-    LeaseLostError,
-)
-from idemq.stores.base import DEFAULT_CONSUMER, Claim, ClaimRequest, Key, Record, StoreStats
 from idemq.stores.sql.schema import DEFAULT_TABLE
-from idemq.stores.sql.store import DEFAULT_URL, SqlStoreBase
+from idemq.stores.sql.store import DEFAULT_URL, Primitive, SqlStoreBase
 
 __all__ = ["AsyncSqlStore"]
 
+T = TypeVar("T")
+
 
 class AsyncSqlStore(SqlStoreBase):
-    """The asyncio twin of :class:`SqlStore` (psycopg 3 async, asyncmy, aiosqlite)."""
+    """:class:`SqlStore` for asyncio (psycopg 3 async, asyncmy, aiosqlite)."""
 
     def __init__(
         self,
@@ -52,153 +49,121 @@ class AsyncSqlStore(SqlStoreBase):
         if isinstance(url, AsyncEngine):
             self.engine = url
         else:
-            parsed = async_url(parse_url(url))
-            try:
-                self.engine = create_async_engine(parsed, **engine_kwargs)
-            except (ArgumentError, NoSuchModuleError, ImportError) as exc:
-                raise ConfigurationError(f"cannot use {parsed.drivername!r}: {exc}") from exc
-            if self.engine.dialect.name == "sqlite":
-                prepare_sqlite(self.engine.sync_engine)
-        super().__init__(self.engine.url, table, schema, self.engine.dialect, mysql_flavor)
-        self._idle: IdleConnections[AsyncConnection] = IdleConnections(
-            keep_limit(self.engine.sync_engine.pool)
-        )
+            self.engine = async_engine_from_url(url, **engine_kwargs)
+        super().__init__(self.engine.url, table, schema, mysql_flavor)
 
     async def create_schema(self) -> None:
-        with translate_errors("create_schema", self.where):
+        """See :meth:`SqlStore.create_schema`."""
+        with translated(f"create_schema on {self.where}"):
             async with self.engine.begin() as conn:
                 await conn.run_sync(
                     lambda sync: self._ddl_table(sync.dialect).create(sync, checkfirst=True)
                 )
 
     async def drop_schema(self) -> None:
-        with translate_errors("drop_schema", self.where):
+        """See :meth:`SqlStore.drop_schema`."""
+        with translated(f"drop_schema on {self.where}"):
             async with self.engine.begin() as conn:
                 await conn.run_sync(lambda sync: self.table.drop(sync, checkfirst=True))
 
-    async def _exec(self, conn: AsyncConnection, plan: str, *args: Any, what: str) -> Any:
-        with translate_errors(what, self.where):
-            return await arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
-
-    async def _short(self, plan: str, *args: Any, what: str) -> Any:
-        with translate_errors(what, self.where):
-            async with self.transaction() as conn:
-                return await arun(conn, getattr(self._ops_for(conn.dialect), plan)(*args))
-
-    @asynccontextmanager
-    async def transaction(self, connection: Any = None) -> AsyncIterator[AsyncConnection]:
+    def transaction(self, connection: Any = None) -> AbstractAsyncContextManager[AsyncConnection]:
         """See :meth:`SqlStore.transaction` (``connection``: an ``AsyncConnection``)."""
         if connection is not None:
-            if not isinstance(connection, AsyncConnection):
-                raise ConfigurationError(
-                    f"connection must be an SQLAlchemy AsyncConnection, got {type(connection)}"
-                )
-            ctx = connection.begin_nested() if connection.in_transaction() else connection.begin()
-            async with ctx:
-                yield connection
-            return
-        conn = await self._checkout()
-        with translate_errors("begin", self.where):
-            try:
-                trans = await conn.begin()
-            except BaseException:
-                await self._checkin(conn, clean=False)
-                raise
-        clean = False
-        try:
-            yield conn
-        except BaseException:
-            with translate_errors("rollback", self.where):
-                await trans.rollback()
-            clean = True
-            raise
-        else:
-            with translate_errors("commit", self.where):
-                await trans.commit()
-            clean = True
-        finally:
-            await self._checkin(conn, clean=clean)
+            return self._join(connection)
+        return abegin(self.engine, self.where)
 
-    async def _checkout(self) -> AsyncConnection:
-        conn = self._idle.take()
-        if conn is None:
-            with translate_errors("connect", self.where):
-                conn = await self.engine.connect()
-        return conn
-
-    async def _checkin(self, conn: AsyncConnection, *, clean: bool) -> None:
-        """See :meth:`SqlStore._checkin`."""
-        sync_engine = self.engine.sync_engine
-        if clean and reusable(conn.sync_connection, sync_engine) and self._idle.keep(conn):
-            return
-        invalidated = conn.invalidated
-        await conn.close()
-        if invalidated:
-            for idle in self._idle.drain():
-                await idle.close()
+    @asynccontextmanager
+    async def _join(self, connection: Any) -> AsyncIterator[AsyncConnection]:
+        if not isinstance(connection, AsyncConnection):
+            raise ConfigurationError(
+                f"connection must be an SQLAlchemy AsyncConnection, got {type(connection)}"
+            )
+        ctx = connection.begin_nested() if connection.in_transaction() else connection.begin()
+        async with ctx:
+            yield connection
 
     async def begin_savepoint(self, tx: AsyncConnection) -> Any:
         """See :meth:`SqlStore.begin_savepoint`."""
-        with translate_errors("savepoint", self.where):
+        with translated(f"savepoint on {self.where}"):
             return await tx.begin_nested()
 
     async def end_savepoint(self, savepoint: Any, *, commit: bool) -> None:
         """See :meth:`SqlStore.end_savepoint`."""
-        with translate_errors(
-            "release savepoint" if commit else "rollback to savepoint", self.where
-        ):
+        doing = "release savepoint" if commit else "rollback to savepoint"
+        with translated(f"{doing} on {self.where}"):
             if commit:
                 await savepoint.commit()
             else:
                 await savepoint.rollback()
 
+    async def translate_handler_error(
+        self, tx: AsyncConnection, error: BaseException
+    ) -> StoreError | None:
+        """See :meth:`SqlStoreBase.transaction_lost_by`."""
+        return self.transaction_lost_by(error)
+
+    async def _in_transaction(self, tx: AsyncConnection, doing: str, primitive: Primitive[T]) -> T:
+        """See :meth:`SqlStore._in_transaction`."""
+        return await arun(tx, primitive(self._plans_for(tx.dialect)), f"{doing} on {self.where}")
+
+    async def _own_transaction(self, doing: str, primitive: Primitive[T]) -> T:
+        """See :meth:`SqlStore._own_transaction`."""
+        async with abegin(self.engine, self.where) as conn:
+            return await self._in_transaction(conn, doing, primitive)
+
     async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
-        return await self._exec(tx, "claim", request, True, what="claim")  # type: ignore[no-any-return]
+        return await self._in_transaction(tx, "claim", lambda plans: plans.claim(request, True))
 
     async def claim_many_in(
         self, tx: AsyncConnection, requests: Sequence[ClaimRequest]
     ) -> list[Claim]:
-        return await self._exec(tx, "claim_many", requests, True, what="claim_many")  # type: ignore[no-any-return]
+        return await self._in_transaction(
+            tx, "claim_many", lambda plans: plans.claim_many(requests, True)
+        )
 
     async def save_result_in(self, tx: AsyncConnection, key: Key, result: str) -> None:
-        await self._exec(tx, "save_result", key, result, what="save_result")
+        await self._in_transaction(tx, "save_result", lambda plans: plans.save_result(key, result))
 
     async def release_in(self, tx: AsyncConnection, key: Key, owner: str) -> None:
-        await self._exec(tx, "release_in", key, owner, what="release")
+        await self._in_transaction(tx, "release", lambda plans: plans.release_in(key, owner))
 
     async def claim(self, request: ClaimRequest) -> Claim:
-        return await self._short("claim", request, False, what="claim")  # type: ignore[no-any-return]
+        return await self._own_transaction("claim", lambda plans: plans.claim(request, False))
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        return await self._short("claim_many", requests, False, what="claim_many")  # type: ignore[no-any-return]
+        return await self._own_transaction(
+            "claim_many", lambda plans: plans.claim_many(requests, False)
+        )
 
     async def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
-        if not await self._short("complete", key, owner, result, now_ms, what="complete"):
-            raise LeaseLostError(
-                f"lease on {key.message_id!r} ({key.consumer}) was lost before complete"
-            )
+        """See :meth:`SqlStore.complete`."""
+        await self._own_transaction(
+            "complete", lambda plans: plans.complete(key, owner, result, now_ms)
+        )
 
     async def release(self, key: Key, owner: str) -> None:
-        await self._short("release", key, owner, what="release")
+        await self._own_transaction("release", lambda plans: plans.release(key, owner))
 
     async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
-        return await self._short("get", Key(consumer, message_id), what="get")  # type: ignore[no-any-return]
+        key = Key(consumer, message_id)
+        return await self._own_transaction("get", lambda plans: plans.get(key))
 
     async def find(self, message_id: str) -> list[Record]:
-        return await self._short("find", message_id, what="find")  # type: ignore[no-any-return]
+        return await self._own_transaction("find", lambda plans: plans.find(message_id))
 
     async def in_progress(self, *, limit: int = 100) -> list[Record]:
-        return await self._short("in_progress", limit, what="in_progress")  # type: ignore[no-any-return]
+        return await self._own_transaction("in_progress", lambda plans: plans.in_progress(limit))
 
     async def purge(
         self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
     ) -> int:
-        cutoff = (now_ms if now_ms is not None else system_clock_ms()) - int(
-            older_than.total_seconds() * 1000
-        )
+        """See :meth:`SqlStore.purge`."""
+        cutoff_ms = self._cutoff_ms(older_than, now_ms)
         total = 0
         while True:
-            deleted: int = await self._short("purge_batch", cutoff, batch_size, what="purge")
+            deleted = await self._own_transaction(
+                "purge", lambda plans: plans.purge_batch(cutoff_ms, batch_size)
+            )
             total += deleted
             if deleted < batch_size:
                 return total
@@ -206,14 +171,34 @@ class AsyncSqlStore(SqlStoreBase):
     async def stats(self, *, now_ms: int | None = None) -> StoreStats:
         """See :meth:`SqlStore.stats`."""
         now = system_clock_ms() if now_ms is None else now_ms
-        return await self._short("stats", now, what="stats")  # type: ignore[no-any-return]
+        return await self._own_transaction("stats", lambda plans: plans.stats(now))
+
+    async def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
+        """See :meth:`idemq.stores.base.Store.renew`."""
+        return await self._own_transaction(
+            "renew", lambda plans: plans.renew(key, owner, lease_until_ms)
+        )
+
+    async def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult:
+        """See :meth:`idemq.stores.base.Store.forget`."""
+        key = Key(consumer, message_id)
+        now = system_clock_ms() if now_ms is None else now_ms
+        return await self._own_transaction(
+            "forget", lambda plans: plans.forget(key, force=force, now_ms=now)
+        )
 
     async def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
         """See :meth:`SqlStore.force_release`."""
         key = Key(consumer, message_id)
-        return await self._short("force_release", key, what="force_release")  # type: ignore[no-any-return]
+        return await self._own_transaction("force_release", lambda plans: plans.force_release(key))
 
     async def close(self) -> None:
-        for conn in self._idle.drain():
-            await conn.close()
+        """See :meth:`SqlStore.close`."""
         await self.engine.dispose()

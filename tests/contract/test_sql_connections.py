@@ -1,9 +1,10 @@
-"""A SQL store keeps its connection between messages (idemq.stores.sql_conn): prove it is harmless.
+"""What a SQL store's connections live through, on SQLAlchemy's pool.
 
 A killed server session costs one StoreUnavailableError and nothing is written; the next message
-reconnects. What a handler does to ``tx`` does not leak into the next message. A ``NullPool``
-keeps nothing open. A forked child never uses its parent's connection. SQLite transactions still
-take the write lock at BEGIN.
+reconnects. What a handler does to ``tx`` (closing it, setting execution options) does not leak
+into the next message, and a failed statement does not break the connection for the next one.
+``close()`` leaves no session open, and a ``NullPool`` none between messages. A forked child
+never uses its parent's connection. SQLite transactions take the write lock at BEGIN.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_a_killed_session_fails_one_message_and_the_next_reconnects(counted, ser
     store, applied = counted
     guard = idemq.Idempotency(store, consumer="c")
     sessions: list[Any] = []
-    # Two transactions at once: both connections are kept afterwards.
+    # Two transactions at once: both connections stay in the pool afterwards.
     with store.transaction() as a, store.transaction() as b:
         for conn in (a, b):
             sessions.append(conn.exec_driver_sql(SESSION_ID[server]).scalar())
@@ -77,7 +78,7 @@ def test_a_killed_session_fails_one_message_and_the_next_reconnects(counted, ser
     seen: list[Any] = []
     with pytest.raises(idemq.StoreUnavailableError):
         guard.process("M1", apply(applied, seen, server))
-    # The disconnect dropped the other kept (dead) connection too: the retry reconnects at once.
+    # On a disconnect the pool invalidates its other (dead) connection too: the retry reconnects.
     outcome = guard.process("M1", apply(applied, seen, server))
 
     assert outcome.status is idemq.Status.PROCESSED
@@ -115,13 +116,10 @@ def test_a_handler_that_closes_tx_does_not_break_the_next_message(counted, serve
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres", "mariadb"])
-def test_a_failed_statement_does_not_break_the_next_message_on_the_kept_connection(
-    backend: str, tmp_path: Any
-) -> None:
-    # idemq reuses one cursor per connection; a driver error closes it (SQLAlchemy's handling).
+def test_a_failed_statement_does_not_break_the_next_message(backend: str, tmp_path: Any) -> None:
     if backend != "sqlite":
         require_service("postgres" if backend == "postgres" else "mysql")
-    url = f"sqlite:///{tmp_path / 'kept.db'}" if backend == "sqlite" else URL[backend]
+    url = f"sqlite:///{tmp_path / 'failed.db'}" if backend == "sqlite" else URL[backend]
     store = idemq.SqlStore(url, table=unique("mi"))
     guard = idemq.Idempotency(store, consumer="c")
     try:
@@ -146,7 +144,7 @@ def sessions_named(name: str) -> int:
 
 
 @pytest.mark.parametrize("pool", ["queue", "null"])
-def test_only_a_queue_pool_keeps_a_connection_open(pool):
+def test_close_leaves_no_session_open_and_a_null_pool_none_between_messages(pool):
     require_service("postgres")
     name = unique("app")
     kwargs: dict[str, Any] = {"connect_args": {"application_name": name}}
@@ -162,7 +160,7 @@ def test_only_a_queue_pool_keeps_a_connection_open(pool):
     finally:
         store.drop_schema()
         store.close()
-    assert sessions_named(name) == 0, "close() closes the kept connection"
+    assert sessions_named(name) == 0, "close() closes the pooled connection"
 
 
 def pg_session(tx: sa.Connection) -> Any:
@@ -188,7 +186,7 @@ def test_a_forked_child_never_uses_the_parents_connection():
         child.join(60)
         assert child.exitcode == 0
         assert child_session != parent
-        # The parent's kept connection still works after the child exited.
+        # The parent's pooled connection still works after the child exited.
         assert guard.process("PARENT2", pg_session).result == parent
         assert store.get("CHILD", "c") is not None
     finally:
