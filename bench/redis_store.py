@@ -33,8 +33,8 @@ from typing import Any
 import redis
 
 import idemq
-from idemq.stores import redis_ops
 from idemq.stores.base import ClaimRequest, Key
+from idemq.stores.redis import ops
 from idemq.stores.redis.store import RedisStore
 
 LEASE_MS = 30_000
@@ -80,14 +80,14 @@ def idemq_primitives(store: RedisStore, duplicate: bool) -> Loop:
 def claim_command(store: RedisStore) -> Loop:
     """The claim's own ``SET … NX PX … GET`` through redis-py, its reply left unparsed."""
     consumer = "bench"
-    command: Any = store.client.execute_command  # untyped in redis-py
-    layout = store._layout  # the breakdown times the store's own command
+    client = store.client
+    layout = ops.Layout.build(store.prefix, TTL_S)  # the store's key layout, so its own command
 
     def loop(ids: list[str]) -> None:
         now_ms = time.time_ns() // 1_000_000
         for n, message_id in enumerate(ids):
             request = ClaimRequest(Key(consumer, message_id), None, None, f"w{n}", now_ms, LEASE_MS)
-            command(*redis_ops.claim_set(layout, request))
+            ops.claim_set(layout, request).run_on(client)
 
     return loop
 

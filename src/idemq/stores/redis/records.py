@@ -69,18 +69,23 @@ def format_record(
 
     The caller keeps NUL out of every value but ``result``, which is last.
     """
-    values = (
-        str(int(status)),
-        owner,
-        lease_until_ms,
-        attempts,
-        created_ms,
-        processed_ms,
-        business_id,
-        payload_hash,
-        result,
+    return SEPARATOR.join(
+        (
+            str(int(status)),
+            owner,
+            _ms(lease_until_ms),
+            str(attempts),
+            str(created_ms),
+            _ms(processed_ms),
+            business_id or "",
+            payload_hash or "",
+            result or "",
+        )
     )
-    return SEPARATOR.join("" if value is None else str(value) for value in values)
+
+
+def _ms(value: int | None) -> str:
+    return "" if value is None else str(value)
 
 
 def _datetime(ms: str) -> datetime | None:
@@ -95,26 +100,35 @@ def parse_record(key: Key, stored: bytes | str | None) -> Record | None:
     values = text(stored).split(SEPARATOR, len(RECORD_FIELDS) - 1)  # the result may hold NUL
     if len(values) != len(RECORD_FIELDS):
         raise StoreError(f"malformed idemq record for {key!r}: {len(values)} fields")
-    fields = dict(zip(RECORD_FIELDS, values, strict=True))
-    status = _STATUSES.get(fields["status"])
+    (
+        stored_status,
+        owner,
+        lease_until_ms,
+        attempts,
+        created_ms,
+        processed_ms,
+        business_id,
+        payload_hash,
+        result,
+    ) = values  # RECORD_FIELDS, in order
+    status = _STATUSES.get(stored_status)
     try:
         if status is None:  # someone else's value under our prefix, or a corrupted record
-            raise ValueError(f"unknown status {fields['status']!r}")  # noqa: TRY301 - one message
+            raise ValueError(f"unknown status {stored_status!r}")  # noqa: TRY301 - one message
         done = status is RecordStatus.PROCESSED
-        lease_until_ms = fields["lease_until_ms"]
         return Record(
             consumer=key.consumer,
             message_id=key.message_id,
             status=status,
-            business_id=fields["business_id"] or None,
-            payload_hash=fields["payload_hash"] or None,
+            business_id=business_id or None,
+            payload_hash=payload_hash or None,
             # A result is only ever written together with status 1, but keep the invariant local.
-            result=fields["result"] if done else None,
-            owner=fields["owner"] or None,
+            result=result if done else None,
+            owner=owner or None,
             lease_until_ms=int(lease_until_ms) if lease_until_ms and not done else None,
-            attempts=int(fields["attempts"] or 1),
-            created_time=_datetime(fields["created_ms"]),
-            processed_time=_datetime(fields["processed_ms"]),
+            attempts=int(attempts or 1),
+            created_time=_datetime(created_ms),
+            processed_time=_datetime(processed_ms),
         )
     except ValueError as exc:
         raise StoreError(f"malformed idemq record for {key!r}: {values[:6]!r}") from exc

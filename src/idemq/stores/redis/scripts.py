@@ -34,8 +34,7 @@ CLAIM_ARGC = 6
 # The positions of RECORD_FIELDS, and split(record): the values of a record as a Lua table.
 # Lua 5.1 patterns spell NUL "%z".
 _RECORD_FUNCTIONS = """
-local STATUS, OWNER, LEASE_UNTIL_MS, ATTEMPTS = 1, 2, 3, 4
-local PROCESSED_MS, PAYLOAD_HASH, RESULT = 6, 8, 9
+local OWNER, LEASE_UNTIL_MS, ATTEMPTS, PROCESSED_MS, PAYLOAD_HASH = 2, 3, 4, 6, 8
 local FIELD_COUNT = 9
 local function split(record)
   local v = {}
@@ -116,8 +115,7 @@ return out
 
 COMPLETE = LuaScript(
     "complete",
-    _RECORD_FUNCTIONS
-    + """
+    """
 -- KEYS[1] record
 -- ARGV[1] owner  ARGV[2] result JSON text  ARGV[3] now_ms  ARGV[4] ttl_ms (retention)
 -- Returns 1 when the record is PROCESSED by ARGV[1] (now, or already by a replayed call);
@@ -129,18 +127,24 @@ local head = '0\\0' .. ARGV[1] .. '\\0'
 if string.sub(cur, 1, #head) ~= head then
   return string.sub(cur, 1, #head) == '1\\0' .. ARGV[1] .. '\\0' and 1 or 0
 end
--- ARGV[1]'s PROCESSING record: every value kept but the four that completing sets. A record
--- that is not the nine values of a claim is left as it is, so nothing is written that no
--- reader could parse.
-local v = split(cur)
-if #v ~= FIELD_COUNT or v[PROCESSED_MS] ~= '' or v[RESULT] ~= '' then
+-- ARGV[1]'s PROCESSING record: status 0, owner, lease_until_ms, attempts, created_ms,
+-- processed_ms '', business_id, payload_hash, result ''. Completing sets status 1, empties
+-- lease_until_ms and fills processed_ms and result. Redis runs one script at a time and this
+-- one runs once per message, so it copies the values it keeps in two slices (attempts and
+-- created_ms with their NULs; business_id and payload_hash with theirs) instead of splitting
+-- the record into nine strings and joining them again.
+local lease_end = string.find(cur, '\\0', #head + 1, true)
+local attempts_end = lease_end and string.find(cur, '\\0', lease_end + 1, true)
+local created_end = attempts_end and string.find(cur, '\\0', attempts_end + 1, true)
+-- Not the nine values of a claim (processed_ms and result must be empty): left as it is, so
+-- nothing is written that no reader could parse.
+if not created_end or string.byte(cur, created_end + 1) ~= 0 or string.byte(cur, -1) ~= 0 then
   return redis.error_reply('malformed idemq record')
 end
-v[STATUS] = '1'
-v[LEASE_UNTIL_MS] = ''
-v[PROCESSED_MS] = ARGV[3]
-v[RESULT] = ARGV[2]
-redis.call('SET', KEYS[1], table.concat(v, '\\0'), 'PX', ARGV[4])
+redis.call('SET', KEYS[1],
+  '1\\0' .. ARGV[1] .. '\\0' .. string.sub(cur, lease_end, created_end) .. ARGV[3]
+    .. string.sub(cur, created_end + 1) .. ARGV[2],
+  'PX', ARGV[4])
 return 1
 """,
 )
