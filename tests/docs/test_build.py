@@ -97,3 +97,10 @@ def test_cli_page_examples_run(line: str, tmp_path: Path, monkeypatch: pytest.Mo
         [IDEMQ, *argv[1:]], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_readme_links_into_the_docs_resolve():
+    links = re.findall(r"\]\(((?:docs|bench|examples)/[^)#]+)(?:#[^)]*)?\)", README)
+    assert len(links) >= 15, links
+    for link in links:
+        assert (ROOT / link).is_file(), link
