@@ -268,6 +268,7 @@ def render_html(result: ChaosResult) -> str:
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
 <title>idemq chaos report</title><style>{_STYLE}</style></head><body>
 {_verdict(result)}
 <div class="grid2">
