@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SERVICES, require_service
+from idemq.brokers import open_broker
+from tests.conftest import SERVICES, require_service, unique
 from tests.docs.snippets import Snippet, snippets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,6 +16,12 @@ PAGES = sorted(p for p in DOCS.rglob("*.md"))
 
 # Snippets marked ``<!-- run: no -->``, by page: each needs a reason here. Empty today.
 NOT_RUN: dict[str, str] = {}
+
+# Broker queues a page names, made unique per run (tests share the brokers) and deleted after;
+# the page's code is otherwise run exactly as written.
+QUEUES: dict[str, tuple[str, str]] = {
+    "getting-started.md": ("tutorial-payments", "amqp://guest:guest@127.0.0.1:5672/"),
+}
 
 
 def page_snippets(page: Path) -> list[Snippet]:
@@ -46,7 +53,22 @@ def test_page_snippets_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
     for service in sorted({name for s in runnable for name in s.services}):
         require_service(service)
     monkeypatch.chdir(tmp_path)
+    name, broker_url = QUEUES.get(str(page.relative_to(DOCS)), ("", ""))
+    queue = unique("docs_queue")
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
-    for snippet in runnable:
-        code = compile(snippet.code, f"{snippet.page}:{snippet.line}", "exec")
-        exec(code, namespace)
+    try:
+        for snippet in runnable:
+            source = snippet.code.replace(f'"{name}"', f'"{queue}"') if name else snippet.code
+            exec(compile(source, f"{snippet.page}:{snippet.line}", "exec"), namespace)
+    finally:
+        if name:
+            broker = open_broker(broker_url)
+            try:
+                broker.delete_queue(queue)
+            finally:
+                broker.close()
+
+
+def test_the_renamed_queues_are_on_their_pages():
+    for page, (name, _) in QUEUES.items():
+        assert f'"{name}"' in (DOCS / page).read_text(encoding="utf-8"), page
