@@ -77,9 +77,9 @@ def test_handler_error_rolls_back_effect_and_dedup_row(sql_store, ledger):
 
 
 def test_statements_on_the_driver_connection_under_tx_share_its_transaction(sql_store, ledger):
-    """The README's fast path for a hot handler: the DBAPI cursor under ``tx`` (no SQLAlchemy
-    execution per statement) writes inside the dedup transaction — committed with the dedup
-    row, rolled back with it."""
+    """A handler's statements on the DBAPI cursor under ``tx`` (what bench/e2e.py's
+    ``handle_driver`` does) write inside the dedup transaction — committed with the dedup row,
+    rolled back with it."""
     guard = idemq.Idempotency(sql_store, consumer="orders")
     name = sql_store.engine.dialect.identifier_preparer.format_table(ledger)
     marker = "?" if sql_store.engine.dialect.paramstyle == "qmark" else "%s"

@@ -65,3 +65,8 @@ def test_cli_examples_run(line, tmp_path, monkeypatch):
         [IDEMQ, *argv[1:]], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_every_python_snippet_of_the_readme_is_run():
+    # The quickstart is the README's only Python; the docs pages' snippets run in tests/docs.
+    assert code_blocks(README, "python") == code_blocks(section("Quickstart"), "python")

@@ -17,8 +17,10 @@ workload without idemq, so the double payments it prevents are visible).
 
 from __future__ import annotations
 
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,7 @@ __all__ = [
     "DemoConfig",
     "DemoReport",
     "default_directory",
+    "demo_directory",
     "intro",
     "render_report",
     "run_demo",
@@ -68,7 +71,7 @@ class DemoConfig:
             directory=self.directory,
             timeout_s=55.0,
             seed=self.seed,
-            keep=True,  # a demo directory is the user's to look at
+            keep=True,  # removing it is demo_directory's call (idemq demo --keep)
             accounts=ACCOUNTS,
             opening_balance_cents=OPENING_BALANCE_CENTS,
         )
@@ -89,6 +92,8 @@ class DemoReport:
     expected_balance: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     causes: dict[str, int] = field(default_factory=dict)
+    duplicates_delivered: int = 0
+    duplicates_suppressed: int = 0
     seconds: float = 0.0
 
     @property
@@ -113,6 +118,8 @@ class DemoReport:
             expected_balance=opening - result.owed_cents,
             outcomes=dict(result.verdicts),
             causes=dict(result.causes),
+            duplicates_delivered=result.duplicates_delivered,
+            duplicates_suppressed=result.duplicates_suppressed,
             seconds=result.seconds,
         )
 
@@ -166,20 +173,28 @@ def intro(config: DemoConfig) -> str:
 
 
 def render_report(report: DemoReport, console: Console) -> None:
-    """The table and the verdict after the run."""
+    """The counts, what each one means, and the verdict, wrapped to ``console``'s width."""
     table = Table(title="What happened")
     table.add_column("")
-    table.add_column("count", justify="right")
+    table.add_column("count", justify="right", no_wrap=True)
     table.add_row("orders produced", str(report.produced))
     table.add_row("messages published (incl. producer retries)", str(report.published))
-    table.add_row("workers killed (some right after commit, before ack)", str(report.crashes))
+    table.add_row("workers killed", str(report.crashes))
+    table.add_row("duplicates delivered", str(report.duplicates_delivered))
+    for cause, count in report.causes.items():
+        if count or cause != "other":
+            table.add_row(f"  from {cause}", str(count))
     for kind, count in sorted(report.outcomes.items()):
-        table.add_row(f"deliveries seen as {kind}", str(count))
+        table.add_row(f"deliveries answered {kind.upper()}", str(count))
+    table.add_row("duplicates suppressed", str(report.duplicates_suppressed))
     table.add_row("payments in the ledger", str(report.payments))
     table.add_row("orders paid more than once", str(report.double_paid))
     table.add_row("orders never paid", str(report.lost))
-    table.add_row("balance / expected (cents)", f"{report.balance} / {report.expected_balance}")
+    table.add_row("balance / expected (cents)", f"{report.balance:,} / {report.expected_balance:,}")
     console.print(table)
+    console.print("[bold]What the counts mean[/bold]")
+    for line in _meanings(report):
+        console.print(f"• {line}")
     if report.ok:
         console.print(
             f"[bold green]✓ every order paid exactly once[/bold green] ({report.seconds:.1f} s)"
@@ -191,6 +206,52 @@ def render_report(report: DemoReport, console: Console) -> None:
         )
 
 
+def _meanings(report: DemoReport) -> list[str]:
+    """One sentence per count a reader would ask about (rich markup)."""
+    causes = report.causes
+    lines = [
+        f"[bold]messages published[/bold]: {report.produced} orders plus "
+        f"{report.duplicates_published} producer retries, each with an id already sent "
+        "(its confirm was lost).",
+        f"[bold]duplicates delivered[/bold] ({report.duplicates_delivered}): deliveries of a "
+        f"message delivered before. {causes.get('partition', 0)} came from those retries, "
+        f"{causes.get('slow', 0)} from handlers that outlasted the queue's visibility timeout "
+        f"(the queue handed the message on), {causes.get('crash', 0)} from workers killed "
+        "before their ack.",
+        f"[bold]duplicates suppressed[/bold] ({report.duplicates_suppressed}) is at most the "
+        "duplicates delivered: when the first copy's worker died before its commit, nothing "
+        "was recorded, so a later copy is the one that pays (PROCESSED); a copy that came "
+        "while its twin still ran was answered IN_PROGRESS (not acked, delivered again).",
+    ]
+    if report.outcomes.get("duplicate"):
+        lines.append(
+            "[bold]DUPLICATE[/bold]: the dedup row committed with the first payment was "
+            "already there, so the delivery was acked without paying again."
+        )
+    lines.append(
+        "[bold]balance / expected[/bold]: what is left in the accounts, against the opening "
+        "balance minus each order's price once. Equal only if no order was paid twice (money "
+        "would be missing) and none was skipped (money never taken)."
+    )
+    return lines
+
+
 def default_directory() -> Path:
     """A fresh temporary directory for the queue and ledger files."""
     return Path(tempfile.mkdtemp(prefix="idemq-demo-"))
+
+
+@contextmanager
+def demo_directory(given: Path | None, *, keep: bool) -> Iterator[Path]:
+    """The directory of a demo run: ``given`` (the user's, never removed), else a fresh temp
+    directory, removed afterwards unless ``keep`` (``idemq demo --keep``)."""
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    directory = default_directory()
+    try:
+        yield directory
+    finally:
+        if not keep:
+            shutil.rmtree(directory, ignore_errors=True)

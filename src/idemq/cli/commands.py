@@ -69,25 +69,29 @@ def _record_table(data: dict[str, Any]) -> Table:
 def cmd_demo(args: argparse.Namespace) -> int:
     from idemq.chaos.demo import (  # noqa: PLC0415
         DemoConfig,
-        default_directory,
+        demo_directory,
         intro,
         render_report,
         run_demo,
     )
 
-    directory = Path(args.dir) if args.dir else default_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    config = DemoConfig(
-        directory, orders=args.orders, workers=args.workers, guard=not args.no_guard
-    )
-    if not args.json:
-        console.rule("[bold]idemq demo[/bold]: exactly-once payments on an at-least-once queue")
-        console.print(intro(config))
-    report = run_demo(config, progress=(lambda _: None) if args.json else console.print)
+    given = Path(args.dir) if args.dir else None
+    with demo_directory(given, keep=args.keep) as directory:
+        config = DemoConfig(
+            directory, orders=args.orders, workers=args.workers, guard=not args.no_guard
+        )
+        if not args.json:
+            console.rule("[bold]idemq demo[/bold]: exactly-once payments on an at-least-once queue")
+            console.print(intro(config))
+        report = run_demo(config, progress=(lambda _: None) if args.json else console.print)
     if args.json:
         _print_json({**report.__dict__, "ok": report.ok})
     else:
         render_report(report, console)
+        if given is None and not args.keep:
+            console.print("(queue and ledger removed; --keep keeps them to look at)")
+        else:
+            console.print(f"queue and ledger kept in {directory}")
     return EXIT_OK if report.ok else EXIT_FAILED
 
 

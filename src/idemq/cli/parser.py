@@ -172,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
     demo.add_argument("--orders", type=int, default=120, help="distinct messages (default 120)")
     demo.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     demo.add_argument("--no-guard", action="store_true", help="run without idemq, to compare")
-    demo.add_argument("--dir", help="where the queue and ledger files go (default: a temp dir)")
+    demo.add_argument(
+        "--dir", help="where the queue and ledger files go, kept (default: a temp dir)"
+    )
+    demo.add_argument(
+        "--keep", action="store_true", help="keep the temp dir with the queue and ledger files"
+    )
     demo.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
     _chaos_arguments(
