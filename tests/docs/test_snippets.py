@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -55,7 +57,10 @@ def test_page_snippets_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.chdir(tmp_path)
     name, broker_url = QUEUES.get(str(page.relative_to(DOCS)), ("", ""))
     queue = unique("docs_queue")
-    namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
+    # A real module, so a snippet may define what needs one (a dataclass looks its module up).
+    module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace = module.__dict__
     try:
         for snippet in runnable:
             source = snippet.code.replace(f'"{name}"', f'"{queue}"') if name else snippet.code
