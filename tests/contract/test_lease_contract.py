@@ -172,6 +172,22 @@ def test_expired_lease_is_taken_over_and_the_old_owners_complete_is_refused(stor
     assert record.attempts == 2
 
 
+def test_a_late_complete_never_overwrites_a_new_owner_still_at_work(store, clock):
+    # The old owner comes back while the new one is still running: its complete must be refused
+    # and leave the new owner's claim as it was, so the new owner's result is the one kept.
+    key = Key("orders", "M")
+    foreign_claim(store, clock, "M", owner="a" * 32)
+    clock.advance(LEASE_MS)
+    taker = ClaimRequest(key, None, None, "b" * 32, clock(), LEASE_MS)
+    assert store.claim(taker).acquired
+    with pytest.raises(idemq.LeaseLostError):
+        store.complete(key, "a" * 32, '"late"', clock())
+    record = store.get("M", "orders")
+    assert (record.status, record.owner, record.result) == (RecordStatus.PROCESSING, "b" * 32, None)
+    store.complete(key, "b" * 32, '"new owner"', clock())
+    assert lease_guard(store, clock).process("M", Calls()).result == "new owner"
+
+
 def test_release_by_a_non_owner_does_nothing(store, clock):
     foreign_claim(store, clock, "M", owner="a" * 32)
     store.release(Key("orders", "M"), "b" * 32)

@@ -161,7 +161,8 @@ def idempotent_task(
     """Register ``fn`` as an ``acks_late`` task of ``app`` guarded by ``guard`` (see the module).
 
     ``key``: the name of the argument that identifies the message (default: the task id).
-    ``task_options`` go to ``app.task`` (``name``, ``autoretry_for``, ``max_retries`` …).
+    ``task_options`` go to ``app.task`` (``name``, ``autoretry_for``, ``max_retries`` …); the task
+    is registered with ``app`` only (``shared=False`` unless given).
     """
     if not isinstance(guard, Idempotency):
         raise ConfigurationError(f"guard must be an idemq.Idempotency, got {type(guard).__name__}")
@@ -183,6 +184,9 @@ def idempotent_task(
             task_fn: Callable[..., Any] = with_tx
         else:
             task_fn = fn
+        # The task belongs to ``app`` and its guard. Celery's default (shared=True) would also
+        # add it to every app made later in the process, with this guard's store.
+        task_options.setdefault("shared", False)
         return app.task(
             base=IdempotentTask,
             acks_late=True,
