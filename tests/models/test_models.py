@@ -1,0 +1,263 @@
+"""The Promela models under ``models/``, checked with SPIN: the designs hold, the mutants fail.
+
+Each check runs ``spin -a`` (with the check's ``-D`` switches) in a temporary directory, builds
+``pan`` with the C compiler and lets it search the whole state space: for assertion violations
+and invalid end states (safety, ``-DSAFETY``), or for acceptance cycles of the model's LTL
+claim under weak fairness (liveness, ``pan -a -f``). A design check fails on any error and on
+any search that did not finish (depth or memory limit). A mutant, or a configuration of the
+current code that the design fixes, fails unless SPIN finds its violation: a model that cannot
+tell the broken protocol from the right one proves nothing.
+
+Needs ``spin`` (Debian package ``spin``) and a C compiler: skipped without them locally, a
+failure under ``CI=true``. What each run explored is printed in the terminal summary.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CI
+
+pytestmark = pytest.mark.models
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+PAN_DEPTH = 200_000  # steps; the deepest model needs under 1,000
+PAN_MEMORY_MB = 1024  # pan stops (and the check fails as incomplete) rather than swap
+TIMEOUT_S = 300
+
+# What pan prints when it did not search everything it was asked to.
+INCOMPLETE = (
+    "max search depth too small",
+    "out of memory",
+    "reached -DMEMLIM bound",
+    "Search not completed",
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One pan run: a model, its switches, and what SPIN must say."""
+
+    model: str
+    label: str
+    defines: tuple[str, ...] = ()
+    liveness: bool = False
+    violation: str | None = None  # text pan must report; None: the model must hold
+    ignore_assertions: bool = False  # liveness of a mutant whose assertions fail first
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}: {self.label}"
+
+
+HOLDS = "holds"
+CHECKS = [
+    Check("lease", "store clock, safety"),
+    Check("lease", "store clock, liveness", liveness=True),
+    Check(
+        "lease",
+        "current code: each worker's clock judges",
+        ("WORKER_CLOCK",),
+        violation="assertion violated ((owner==255)||(own_left==0))",
+    ),
+    Check(
+        "lease",
+        "current code: release deletes the fence",
+        ("RELEASE_DELETES",),
+        violation="assertion violated (fence>max_fence)",
+    ),
+    Check(
+        "lease",
+        "mutant: complete without the owner check",
+        ("MUTANT_COMPLETE_WITHOUT_OWNER",),
+        violation="assertion violated ((owner==w)&&(fence==attempts))",
+    ),
+    Check(
+        "lease",
+        "mutant: takeover under another payload",
+        ("MUTANT_TAKEOVER_ANY_PAYLOAD",),
+        violation="assertion violated (payload==mine)",
+    ),
+    Check("batch", "MariaDB, safety"),
+    Check("batch", "PostgreSQL, safety", ("POSTGRES",)),
+    Check("batch", "MariaDB, liveness", liveness=True),
+    Check(
+        "batch",
+        "mutant: carry on after the rollback, MariaDB",
+        ("MUTANT_CARRY_ON",),
+        violation="assertion violated (row[i]&&(eff[i]==1))",
+    ),
+    # Issue 24 saw the carry-on bug on MariaDB only; the model agrees: PostgreSQL keeps the
+    # transaction, so ROLLBACK TO SAVEPOINT recovers it.
+    Check("batch", "mutant: carry on, PostgreSQL (holds)", ("MUTANT_CARRY_ON", "POSTGRES")),
+    Check("outbox", "2 relays, safety"),
+    Check("outbox", "3 relays, safety", ("K=3",)),
+    Check("outbox", "2 relays, liveness", liveness=True),
+    Check("outbox", "3 relays, liveness", ("K=3",), liveness=True),
+    Check(
+        "outbox",
+        "mutant: skip locked rows before picking a key's oldest",
+        ("MUTANT_SKIP_LOCKED_FIRST",),
+        violation="assertion violated in_order",
+    ),
+    Check(
+        "outbox",
+        "mutant: mark before publish, safety",
+        ("MUTANT_MARK_BEFORE_PUBLISH",),
+        violation="assertion violated in_order",
+    ),
+    Check(
+        "outbox",
+        "mutant: mark before publish, liveness",
+        ("MUTANT_MARK_BEFORE_PUBLISH",),
+        liveness=True,
+        violation="acceptance cycle",
+        ignore_assertions=True,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Tools:
+    spin: str
+    cc: str
+
+
+@pytest.fixture(scope="module")
+def tools() -> Tools:
+    spin = shutil.which("spin")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if spin is not None and cc is not None:
+        return Tools(spin, cc)
+    missing = " and ".join(
+        name for name, path in (("spin", spin), ("a C compiler (cc)", cc)) if path is None
+    )
+    message = f"{missing} not found (Debian: apt-get install -y spin gcc)"
+    if CI:
+        pytest.fail(f"{message} (CI=true: the model checks must run, not skip)")
+    pytest.skip(message)
+
+
+@dataclass(frozen=True)
+class Search:
+    """What pan printed about one search."""
+
+    output: str
+    seconds: float
+
+    def _number(self, pattern: str) -> float:
+        found = re.search(pattern, self.output)
+        return float(found.group(1)) if found else float("nan")
+
+    @property
+    def errors(self) -> int:
+        found = re.search(r"errors: (\d+)", self.output)
+        assert found, f"pan printed no error count:\n{self.output}"
+        return int(found.group(1))
+
+    @property
+    def summary(self) -> str:
+        states = self._number(r"([\d.e+]+) states, stored")
+        transitions = self._number(r"([\d.e+]+) transitions")
+        depth = self._number(r"depth reached (\d+)")
+        return (
+            f"{states:>11,.0f} states {transitions:>11,.0f} transitions "
+            f"depth {depth:>4,.0f} {self.seconds:5.1f} s"
+        )
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    done = subprocess.run(
+        args, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+    if done.returncode != 0 and args[0] != "./pan":
+        pytest.fail(f"{' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+    return done.stdout + done.stderr
+
+
+def search(check: Check, tools: Tools, workdir: Path) -> tuple[Search, list[str]]:
+    """Generate, build and run pan for ``check`` in ``workdir``; the search and the -D flags."""
+    model = f"{check.model}.pml"
+    shutil.copyfile(MODELS / model, workdir / model)  # pan writes its trail beside the model
+    defines = [f"-D{name}" for name in check.defines]
+    if check.liveness:
+        defines.append("-DLIVENESS")
+    _run([tools.spin, *defines, "-a", model], workdir)
+    # -O0: these state spaces take pan seconds at most, and -O2 would triple the build time.
+    cflags = ["-O0", "-w", f"-DMEMLIM={PAN_MEMORY_MB}"]
+    if not check.liveness:
+        cflags.append("-DSAFETY")
+    _run([tools.cc, *cflags, "-o", "pan", "pan.c"], workdir)
+    pan = ["./pan", f"-m{PAN_DEPTH}"]
+    if check.liveness:
+        pan += ["-a", "-f"]
+    if check.ignore_assertions:
+        pan.append("-A")
+    started = time.monotonic()
+    output = _run(pan, workdir)
+    return Search(output, time.monotonic() - started), defines
+
+
+def counterexample(check: Check, tools: Tools, workdir: Path, defines: list[str]) -> str:
+    """The trail pan wrote, replayed: the model's own printf lines and the failed claim."""
+    replay = _run([tools.spin, "-t", *defines, f"{check.model}.pml"], workdir)
+    keep = [
+        line.strip()
+        for line in replay.splitlines()
+        if line.startswith(" ") or "Error:" in line or "CYCLE" in line
+    ]
+    return "\n".join(line for line in keep if line)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.id for c in CHECKS])
+def test_model(
+    check: Check,
+    tools: Tools,
+    tmp_path: Path,
+    report_run: Callable[[str], None],
+    record_property: Callable[[str, object], None],
+) -> None:
+    found, defines = search(check, tools, tmp_path)
+    record_property("pan", found.output)
+    if check.violation is None:
+        verdict = HOLDS
+    else:
+        verdict = "caught: " + check.violation.removeprefix("assertion violated ")
+    report_run(f"{check.model:<6} {check.label:<55} {found.summary}  {verdict}")
+
+    assert "Full statespace search" in found.output, found.output
+    if check.violation is None:
+        assert found.errors == 0, f"SPIN found a violation:\n{found.output}"
+        incomplete = [marker for marker in INCOMPLETE if marker in found.output]
+        assert not incomplete, f"the search did not finish ({incomplete}):\n{found.output}"
+        return
+    assert found.errors >= 1, f"SPIN did not catch {check.label!r}: a vacuous model?"
+    assert check.violation in found.output, found.output
+    trail = counterexample(check, tools, tmp_path, defines)
+    record_property("counterexample", trail)
+    assert "Error:" in trail or "CYCLE" in trail, trail
+
+
+def test_every_switch_a_model_offers_is_checked() -> None:
+    """A mutant or current-code switch added to a model is run, so it cannot rot unchecked.
+
+    A switch is a name the model tests with #ifdef/#ifndef but never defines itself (the
+    bounds it does define, with a default); LIVENESS is how every liveness check runs."""
+    checked = {(c.model, name.split("=")[0]) for c in CHECKS for name in c.defines}
+    for path in sorted(MODELS.glob("*.pml")):
+        text = path.read_text()
+        defined = set(re.findall(r"^#define (\w+)", text, flags=re.M))
+        offered = set(re.findall(r"^#ifn?def (\w+)", text, flags=re.M)) - defined - {"LIVENESS"}
+        unchecked = {name for name in offered if (path.stem, name) not in checked}
+        assert not unchecked, f"{path.name}: {sorted(unchecked)} never checked"
+        labels = {c.label for c in CHECKS if c.model == path.stem and c.violation is None}
+        assert any("safety" in label for label in labels), f"{path.name}: no safety check"
+        assert any("liveness" in label for label in labels), f"{path.name}: no liveness check"
