@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what the test suite needs and pip cannot: Debian's chromium (the browser tests) and
-# spin (the model checker). Only what is missing is installed; the package index is refreshed once.
+# Installs what the test suite needs and pip cannot: Debian's chromium (the browser tests), spin
+# (the model checker, with the C compiler it builds its verifiers with) and promtool (package
+# prometheus: it checks the alert rules). Only what is missing is installed; the package index is refreshed once.
 # Without root and without sudo, it says what is missing and carries on: those tests then skip
 # locally and fail under CI=true, which is where a missing tool must be noticed.
 set -uo pipefail
@@ -8,9 +9,11 @@ set -uo pipefail
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v spin >/dev/null 2>&1 || missing+=(spin)
+command -v cc >/dev/null 2>&1 || missing+=(gcc)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 
 if [ "${#missing[@]}" -eq 0 ]; then
-  echo "install-test-tools: chromium and spin are installed"
+  echo "install-test-tools: chromium, spin, a C compiler and promtool are installed"
   exit 0
 fi
 
