@@ -262,3 +262,46 @@ async def test_async_auto_renew(aclient: redis.asyncio.Redis, prefix: str) -> No
     assert lost == [1]
     with pytest.raises(LockNotOwnedError):
         await lock.release()
+
+
+def test_locked_says_whether_anyone_holds_it(client: redis.Redis, prefix: str) -> None:
+    mine = RedisLock(client, "job", ttl_s=30, prefix=prefix)
+    theirs = RedisLock(client, "job", ttl_s=30, prefix=prefix)
+    assert not theirs.locked()
+    assert mine.acquire()
+    assert theirs.locked()
+    assert not theirs.owned()
+    mine.release()
+    assert not theirs.locked()
+
+
+def test_acquire_waits_only_as_long_as_the_lock_was_told_to(
+    client: redis.Redis, prefix: str
+) -> None:
+    holder = RedisLock(client, "job", ttl_s=30, prefix=prefix)
+    assert holder.acquire()
+    waiter = RedisLock(client, "job", ttl_s=30, prefix=prefix, blocking_timeout_s=0.3)
+    began = time.monotonic()
+    assert not waiter.acquire()  # not a 30 s wait for the holder's TTL
+    assert 0.2 <= time.monotonic() - began < 5
+    holder.release()
+
+
+@pytest.mark.parametrize("ttl_s", [None, 0, -1, True, "30"])
+def test_a_lock_without_a_ttl_is_refused(client: redis.Redis, prefix: str, ttl_s: object) -> None:
+    with pytest.raises(ConfigurationError):
+        RedisLock(client, "job", ttl_s=ttl_s, prefix=prefix)  # type: ignore[arg-type]
+
+
+async def test_async_locked_and_a_bounded_acquire(redis_url: str, prefix: str) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        holder = AsyncRedisLock(client, "job", ttl_s=30, prefix=prefix)
+        waiter = AsyncRedisLock(client, "job", ttl_s=30, prefix=prefix, blocking_timeout_s=0.3)
+        assert await holder.acquire()
+        assert await waiter.locked()
+        assert not await waiter.acquire()
+        await holder.release()
+        assert not await waiter.locked()
+    finally:
+        await client.aclose()

@@ -75,8 +75,9 @@ class _LockState:
         rng: random.Random | None,
         monotonic: Callable[[], float] | None,
     ) -> None:
-        if not ttl_s > 0:
-            raise ConfigurationError(f"ttl_s must be positive, got {ttl_s!r}")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
+            # No TTL is not an option: a holder that dies would hold the lock forever.
+            raise ConfigurationError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
         if max_renewals is not None and max_renewals < 0:
             raise ConfigurationError(f"max_renewals must be >= 0 or None, got {max_renewals!r}")
         self.name = name
@@ -94,6 +95,8 @@ class _LockState:
         self.lost = False
 
     def acquire_op(self, blocking: bool, timeout_s: float | None) -> Op[int | None]:
+        # acquire() without a timeout waits as long as the lock was configured to, like `with`.
+        timeout_s = self.blocking_timeout_s if timeout_s is None else timeout_s
         if self.token is not None:
             raise LockError(f"lock {self.name!r} is already held by this object (not re-entrant)")
         token = secrets.token_hex(16)  # random per acquire: a stale holder can never match
@@ -133,6 +136,9 @@ class _LockState:
         if not (yield from ops.extend(self.keys, token, ttl_ms)):
             self.token, self.lost = None, True
             raise LockNotOwnedError(f"lock {self.name!r} expired before extend")
+
+    def locked_op(self) -> Op[bool]:
+        return ops.locked(self.keys)
 
     def owned_op(self) -> Op[bool]:
         if self.token is None:
@@ -247,7 +253,8 @@ class RedisLock(_LockShell[redis.Redis]):
         return self._redis(step)
 
     def acquire(self, blocking: bool = True, timeout_s: float | None = None) -> bool:
-        """Take the lock; False only when non-blocking or ``timeout_s`` ran out."""
+        """Take the lock; False only when non-blocking or the wait ran out (``timeout_s``,
+        default the lock's ``blocking_timeout_s``; both None: wait as long as it takes)."""
         fence = drive(self._state.acquire_op(blocking, timeout_s), self._execute)
         if fence is None:
             return False
@@ -267,6 +274,10 @@ class RedisLock(_LockShell[redis.Redis]):
     def owned(self) -> bool:
         """Whether this object holds the lock right now (one atomic compare on the server)."""
         return drive(self._state.owned_op(), self._execute)
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock right now."""
+        return drive(self._state.locked_op(), self._execute)
 
     def _start_watchdog(self) -> None:
         token = self._state.held_token("renew")
@@ -362,6 +373,10 @@ class AsyncRedisLock(_LockShell[redis.asyncio.Redis]):
     async def owned(self) -> bool:
         """See :meth:`RedisLock.owned`."""
         return await adrive(self._state.owned_op(), self._execute)
+
+    async def locked(self) -> bool:
+        """See :meth:`RedisLock.locked`."""
+        return await adrive(self._state.locked_op(), self._execute)
 
     async def __aenter__(self) -> AsyncRedisLock:
         if not await self.acquire(blocking=True, timeout_s=self._state.blocking_timeout_s):

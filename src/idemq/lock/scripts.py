@@ -11,7 +11,15 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from idemq.drivers.redis import EXTEND_IF_OWNER, LuaScript, Op, Pause, RunScript, escape_key_part
+from idemq.drivers.redis import (
+    EXTEND_IF_OWNER,
+    Call,
+    LuaScript,
+    Op,
+    Pause,
+    RunScript,
+    escape_key_part,
+)
 from idemq.errors import ConfigurationError, StoreError
 
 __all__ = [
@@ -21,6 +29,7 @@ __all__ = [
     "LockKeys",
     "acquire",
     "extend",
+    "locked",
     "owned",
     "release",
     "renew",
@@ -142,6 +151,12 @@ def extend(keys: LockKeys, token: str, ttl_ms: int) -> Op[bool]:
 def owned(keys: LockKeys, token: str) -> Op[bool]:
     """True when ``token`` holds the lock right now (one atomic compare on the server)."""
     held = yield RunScript(OWNED, (keys.lock,), (token,))
+    return bool(held)
+
+
+def locked(keys: LockKeys) -> Op[bool]:
+    """True when anyone holds the lock right now."""
+    held = yield Call("exists", keys.lock)
     return bool(held)
 
 
