@@ -47,8 +47,10 @@ RECORD_FIELDS = (
 """The values of a record, in their stored order."""
 
 SEPARATOR = "\0"
+"""Joins the values of a record (no value but the result can hold it)."""
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+"""Stored times are epoch milliseconds; records read them back as aware UTC datetimes."""
 
 _STATUSES = {str(int(status)): status for status in RecordStatus}
 
