@@ -288,3 +288,18 @@ def test_an_expired_lease_is_not_taken_over_by_another_payload(store, clock):
         guard.process("M", Calls(), payload=b"another message under the same id")
     assert store.get("M", "orders").owner == "f" * 32
     assert guard.process("M", Calls("same")).status is idemq.Status.PROCESSED  # no payload given
+
+
+@pytest.mark.parametrize("result", ["\udcff", {"k": "a\ud800b", "ok": "ü"}, ["\udfff"]])
+def test_a_result_with_a_lone_surrogate_is_stored_and_replayed_exactly(store, clock, result):
+    guard = lease_guard(store, clock)
+    assert guard.process("M", Calls(result)).result == result
+    assert guard.process("M", Calls("never")).result == result
+
+
+def test_a_business_id_with_a_lone_surrogate_is_refused_before_anything_runs(store, clock):
+    handler = Calls()
+    with pytest.raises(idemq.InvalidBusinessIdError):
+        lease_guard(store, clock).process("M", handler, business_id="order\udcff")
+    assert handler.count == 0
+    assert store.get("M", "orders") is None

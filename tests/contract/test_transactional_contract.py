@@ -198,3 +198,10 @@ def test_create_schema_is_idempotent_and_ddl_prints(sql_store):
     sql_store.create_schema()
     for dialect in ("postgresql", "mysql", "mariadb", "sqlite"):
         assert "message_idempotent" in idemq.stores.sql.schema_sql(dialect)
+
+
+def test_a_result_with_a_lone_surrogate_commits_and_replays_exactly(sql_store):
+    guard = idemq.Idempotency(sql_store, consumer="orders")
+    result = {"note": "bad \udcff byte", "plain": "ü"}
+    assert guard.process("M", lambda _tx: result).result == result
+    assert guard.process("M", lambda _tx: "never").result == result

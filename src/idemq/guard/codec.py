@@ -58,6 +58,9 @@ written with, so a handler that returns ``None`` needs no second statement."""
 
 # Built once: json.dumps with any non-default option builds a new JSONEncoder per call.
 _RESULT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+# For a result holding a lone surrogate ("\udcff"): no database driver can encode that text as
+# UTF-8, but JSON's own escape (\udcff) stores it and decodes back to the very same string.
+_RESULT_JSON_ASCII = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def _canonical(value: Any) -> Any:
@@ -122,7 +125,13 @@ def encode_result(result: object) -> str:
     if result is None:
         return NULL_RESULT
     try:
-        return _RESULT_JSON.encode(result)
+        text = _RESULT_JSON.encode(result)
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                text = _RESULT_JSON_ASCII.encode(result)
+        return text
     except (TypeError, ValueError, RecursionError) as exc:
         raise ResultNotSerializableError(
             f"handler result of type {type(result).__name__} cannot be stored as JSON: {exc}"

@@ -129,6 +129,13 @@ def validate_business_id(business_id: object) -> str | None:
         raise InvalidBusinessIdError(
             f"business id must have 1-{MAX_BUSINESS_ID_CHARS} characters and no NUL"
         )
+    if not business_id.isascii():
+        try:
+            business_id.encode("utf-8")
+        except UnicodeEncodeError as exc:  # no store can keep it: refused before anything runs
+            raise InvalidBusinessIdError(
+                "business id is not valid Unicode (lone surrogate)"
+            ) from exc
     return business_id
 
 
