@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from idemq.brokers.base import Broker, Delivery
 from idemq.brokers.settlement import RetryPolicy
+from idemq.drivers.urls import mask_url
 from idemq.errors import ConfigurationError
 
 __all__ = ["SCHEMES", "Broker", "Delivery", "RetryPolicy", "open_broker"]
@@ -35,7 +36,7 @@ def open_broker(url: str) -> Broker:
     if scheme not in SCHEMES:
         known = ", ".join(sorted(SCHEMES))
         raise ConfigurationError(
-            f"unknown broker URL scheme {scheme!r} in {url!r} (known: {known})"
+            f"unknown broker URL scheme {scheme!r} in {mask_url(url)!r} (known: {known})"
         )
     module_name, class_name, extra = SCHEMES[scheme]
     try:

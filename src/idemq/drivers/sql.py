@@ -38,6 +38,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import Executable
 
 from idemq._plan import adrive, drive
+from idemq.drivers.urls import mask_url
 from idemq.errors import ConfigurationError, StoreConflictError, StoreError, StoreUnavailableError
 
 __all__ = [
@@ -241,8 +242,9 @@ def parse_url(url: str | URL) -> URL:
     """``url`` as a SQLAlchemy URL; :class:`~idemq.ConfigurationError` if it is not one."""
     try:
         return make_url(url)
-    except ArgumentError as error:
-        raise ConfigurationError(f"not a database URL: {error}") from error
+    except (ArgumentError, ValueError) as error:  # ValueError: a port that is not a number
+        shown = mask_url(url) if isinstance(url, str) else url.render_as_string(hide_password=True)
+        raise ConfigurationError(f"not a database URL: {shown}") from error
 
 
 def sync_url(url: URL) -> URL:
@@ -285,9 +287,9 @@ def engine_from_url(url: str | URL, **engine_kwargs: Any) -> Engine:
 
 def async_engine_from_url(url: str | URL, **engine_kwargs: Any) -> AsyncEngine:
     """:func:`engine_from_url` for an async store (the same events, on its ``sync_engine``)."""
-    parsed = async_url(parse_url(url))
+    parsed = parse_url(url)
     try:
-        engine = create_async_engine(parsed, **engine_kwargs)
+        engine = create_async_engine(async_url(parsed), **engine_kwargs)
     except (ArgumentError, NoSuchModuleError, ImportError) as error:
         raise ConfigurationError(f"cannot use {parsed.drivername!r}: {error}") from error
     if engine.dialect.name == "sqlite":
@@ -348,4 +350,5 @@ def sql_engine(engine_or_url: sa.Engine | str) -> sa.Engine:
     try:
         return sa.create_engine(engine_or_url)
     except (SQLAlchemyError, ImportError, ValueError) as error:
-        raise ConfigurationError(f"cannot build a SQL engine from {engine_or_url!r}") from error
+        shown = mask_url(engine_or_url) if isinstance(engine_or_url, str) else engine_or_url
+        raise ConfigurationError(f"cannot build a SQL engine from {shown!r}") from error

@@ -24,7 +24,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idemq._plan import drive
 from idemq.drivers.redis import Call, LuaScript, Op, RedisExecutor, RunScript, redis_client
-from idemq.drivers.sql import sql_engine
+from idemq.drivers.sql import sql_engine, translate_db_error
 from idemq.errors import ConfigurationError, StoreUnavailableError
 
 __all__ = [
@@ -160,8 +160,12 @@ class SqlTimestampStore:
             self.table.create(self.engine, checkfirst=True)
         except SQLAlchemyError as exc:
             # Another process may have created it between the check and the CREATE.
-            if not sa.inspect(self.engine).has_table(table):
-                raise StoreUnavailableError(f"cannot create table {table!r}") from exc
+            try:
+                exists = sa.inspect(self.engine).has_table(table)
+            except SQLAlchemyError:
+                exists = False  # the database cannot be reached: report the first failure
+            if not exists:
+                raise translate_db_error(exc, f"creating table {table!r}") from exc
 
     def close(self) -> None:
         """Dispose of the engine if this store created it from a URL."""
