@@ -17,14 +17,12 @@ Core built around them.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from sqlalchemy import (
     Dialect,
     Insert,
     Integer,
-    Label,
     String,
     Table,
     and_,
@@ -33,7 +31,6 @@ from sqlalchemy import (
     exists,
     func,
     insert,
-    literal,
     null,
     select,
     text,
@@ -44,31 +41,51 @@ from sqlalchemy.sql import Executable
 
 from idemq.drivers.sql import Plan, Step
 from idemq.errors import ConfigurationError, StoreConflictError
-from idemq.stores.base import Claim, ClaimRequest, Key, Record, RecordStatus
+from idemq.stores.base import Claim, ClaimRequest
 from idemq.stores.sql.plans import (
     CLAIM_TRIES,
     PROCESSED,
     PROCESSING,
     SqlPlans,
+    constant,
+    json_record,
     key_params,
     new_row,
-    record_columns,
+    record_json,
     row_record,
     same_payload,
 )
-from idemq.stores.sql.schema import UtcDateTime, as_utc
+from idemq.stores.sql.schema import UtcDateTime
 
-__all__ = [
-    "MariaDbPlans",
-    "MySqlPlans",
-    "PostgresPlans",
-    "SqlitePlans",
-    "json_record",
-    "plans_for",
-    "record_json",
-]
+__all__ = ["MariaDbPlans", "MySqlPlans", "PostgresPlans", "SqlitePlans", "plans_for"]
 
 KEY = ["consumer", "message_id"]  # the primary key: the conflict every claim arbitrates on
+
+
+def on_conflict(row: Any, transactional: bool) -> Any:
+    """The ``ON CONFLICT`` of a claim's insert ``row`` (``postgresql.insert`` or
+    ``sqlite.insert``: both spell it alike).
+
+    In the business transaction an existing row stays as it is. In lease mode an expired lease
+    is taken over, by the same message only; the owner, its lease and the attempt count change
+    together.
+    """
+    if transactional:
+        return row.on_conflict_do_nothing(index_elements=KEY)
+    current = row.table.c
+    return row.on_conflict_do_update(
+        index_elements=KEY,
+        set_={
+            "owner": row.excluded.owner,
+            "lease_until_ms": row.excluded.lease_until_ms,
+            "attempts": current.attempts + constant(1),
+        },
+        where=and_(
+            current.status == constant(PROCESSING),
+            current.lease_until_ms <= bindparam("b_now_ms"),
+            same_payload(current.payload_hash, row.excluded.payload_hash),
+        ),
+    )
 
 
 class PostgresPlans(SqlPlans):
@@ -86,31 +103,15 @@ class PostgresPlans(SqlPlans):
         return postgresql.insert(self.table).values(rows).on_conflict_do_nothing(index_elements=KEY)
 
     def _claim_statement(self, transactional: bool) -> Any:
-        c = self.table.c
         row = postgresql.insert(self.table).values(new_row(transactional))
-        if transactional:
-            upsert = row.on_conflict_do_nothing(index_elements=KEY)
-        else:
-            upsert = row.on_conflict_do_update(
-                index_elements=KEY,
-                set_={
-                    "owner": row.excluded.owner,
-                    "lease_until_ms": row.excluded.lease_until_ms,
-                    "attempts": c.attempts + 1,
-                },
-                where=and_(
-                    c.status == PROCESSING,
-                    c.lease_until_ms <= bindparam("b_now_ms"),
-                    same_payload(c.payload_hash, row.excluded.payload_hash),
-                ),
-            )
-        inserted = upsert.returning(literal(1)).cte("ins")
-        # Lost: (0, the record) from the table. Won: one row (1, NULLs) from the insert. The
+        inserted = on_conflict(row, transactional).returning(constant(1).label("one")).cte("ins")
+        # Lost: (0, the record) from the table. Won: one row (1, NULL) from the insert. The
         # lost branch comes first: its columns give the result its types.
-        lost = select(literal(0).label("won"), *self.columns).where(
+        record = record_json(self.table, func.json_build_array)
+        lost = select(constant(0).label("won"), record).where(
             self.key_is, ~exists(inserted.select())
         )
-        won = select(literal(1), *[null() for _ in self.columns]).select_from(inserted)
+        won = select(constant(1), null()).select_from(inserted)
         return lost.union_all(won)
 
     def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:
@@ -119,7 +120,9 @@ class PostgresPlans(SqlPlans):
             reply = yield Step(self.claim_stmt[transactional], params)
             if reply.rows:
                 row = reply.rows[0]
-                return Claim.won() if row.won == 1 else Claim.lost_to(row_record(row))
+                if row.won == 1:
+                    return Claim.won()
+                return Claim.lost_to(json_record(request.key, row.record))
             # The conflicting row was committed while we waited for its lock: it is newer than
             # this statement's snapshot. A fresh statement sees it.
             reply = yield Step(self.get_stmt, key_params(request.key))
@@ -153,27 +156,9 @@ class SqlitePlans(SqlPlans):
 
     def __init__(self, table: Table, dialect: Dialect) -> None:
         super().__init__(table, dialect)
-        c = table.c
-        claim_stmt: dict[bool, Executable] = {}
-        for transactional in (True, False):
-            row = sqlite.insert(table).values(new_row(transactional))
-            if transactional:
-                claim_stmt[transactional] = row.on_conflict_do_nothing(index_elements=KEY)
-                continue
-            claim_stmt[transactional] = row.on_conflict_do_update(
-                index_elements=KEY,
-                set_={
-                    "owner": row.excluded.owner,
-                    "lease_until_ms": row.excluded.lease_until_ms,
-                    "attempts": c.attempts + 1,
-                },
-                where=and_(
-                    c.status == PROCESSING,
-                    c.lease_until_ms <= bindparam("b_now_ms"),
-                    same_payload(c.payload_hash, row.excluded.payload_hash),
-                ),
-            )
-        self.claim_stmt = claim_stmt
+        self.claim_stmt: dict[bool, Executable] = {
+            tx: on_conflict(sqlite.insert(table).values(new_row(tx)), tx) for tx in (True, False)
+        }
 
     def insert_ignore(self, rows: list[dict[str, Any]]) -> Insert:
         return sqlite.insert(self.table).values(rows).on_conflict_do_nothing(index_elements=KEY)
@@ -197,35 +182,6 @@ class SqlitePlans(SqlPlans):
         return int(reply.rows[0][0]), "sqlite page_count * page_size (whole database file)"
 
 
-def record_json(table: Table) -> Label[Any]:
-    """The record but its key as ONE JSON text column (``json_record`` reads it back).
-
-    A claim on MySQL or MariaDB reads the record back this way because PyMySQL parses every
-    column descriptor of a result in Python: one column costs a duplicate far less than eleven.
-    """
-    return func.json_array(*record_columns(table)[2:]).label("record")
-
-
-def json_record(key: Key, text: str) -> Record:
-    """A record from :func:`record_json`'s column, in :func:`record_columns`' order."""
-    (status, business_id, payload_hash, result, owner, lease_until_ms, attempts, created, done) = (
-        json.loads(text)
-    )
-    return Record(
-        consumer=key.consumer,
-        message_id=key.message_id,
-        status=RecordStatus(status),
-        business_id=business_id,
-        payload_hash=payload_hash,
-        result=result,
-        owner=owner,
-        lease_until_ms=lease_until_ms,
-        attempts=attempts,
-        created_time=as_utc(created),
-        processed_time=None if done is None else as_utc(done),
-    )
-
-
 class MySqlPlans(SqlPlans):
     """MySQL 8: insert-ignore, a conditional takeover, then a locking read of the winner."""
 
@@ -240,7 +196,9 @@ class MySqlPlans(SqlPlans):
         c = table.c
         # A locking read sees the latest committed row, not this transaction's snapshot.
         self.claim_read_stmt = (
-            select(record_json(table)).where(self.key_is).with_for_update(read=True)
+            select(record_json(table, func.json_array))
+            .where(self.key_is)
+            .with_for_update(read=True)
         )
         self.batch_stmt = self.batch_stmt.with_for_update(read=True)
         self.claim_stmt: dict[bool, Executable] = {
@@ -250,14 +208,14 @@ class MySqlPlans(SqlPlans):
             update(table)
             .where(
                 self.key_is,
-                c.status == PROCESSING,
+                c.status == constant(PROCESSING),
                 c.lease_until_ms <= bindparam("b_now_ms"),
                 same_payload(c.payload_hash, bindparam("b_payload_hash")),
             )
             .values(
                 owner=bindparam("b_owner"),
                 lease_until_ms=bindparam("b_lease_until_ms"),
-                attempts=c.attempts + 1,
+                attempts=c.attempts + constant(1),
             )
         )
         # MySQL refuses LIMIT in an IN subquery, and DELETE … ORDER BY … LIMIT has no Core form.
@@ -310,7 +268,7 @@ class MariaDbPlans(MySqlPlans):
                 # and only when the lease expired; the other columns follow the owner, so the
                 # takeover is all or nothing within one row lock.
                 expired = and_(
-                    c.status == PROCESSING,
+                    c.status == constant(PROCESSING),
                     c.lease_until_ms <= bindparam("b_now_ms"),
                     same_payload(c.payload_hash, new.payload_hash),
                 )
@@ -318,11 +276,12 @@ class MariaDbPlans(MySqlPlans):
                 upsert = row.on_duplicate_key_update(
                     [
                         ("owner", func.IF(expired, new.owner, c.owner)),
-                        ("attempts", func.IF(taken, c.attempts + 1, c.attempts)),
+                        ("attempts", func.IF(taken, c.attempts + constant(1), c.attempts)),
                         ("lease_until_ms", func.IF(taken, new.lease_until_ms, c.lease_until_ms)),
                     ]
                 )
-            claim_stmt[transactional] = upsert.returning(c.owner, record_json(table))
+            record = record_json(table, func.json_array)
+            claim_stmt[transactional] = upsert.returning(c.owner, record)
         self.claim_stmt = claim_stmt
 
     def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:

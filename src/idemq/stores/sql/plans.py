@@ -20,17 +20,23 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     ColumnElement,
     Dialect,
     Insert,
+    Integer,
+    Label,
     Row,
     Select,
     Table,
+    Text,
     and_,
     bindparam,
     case,
     delete,
     func,
+    literal_column,
+    null,
     or_,
     select,
     tuple_,
@@ -50,15 +56,19 @@ from idemq.stores.base import (
     RecordStatus,
     StoreStats,
 )
+from idemq.stores.sql.schema import as_utc
 
 __all__ = [
     "CLAIM_TRIES",
     "PROCESSED",
     "PROCESSING",
     "SqlPlans",
+    "constant",
+    "json_record",
     "key_params",
     "new_row",
     "record_columns",
+    "record_json",
     "row_record",
     "same_payload",
 ]
@@ -67,6 +77,15 @@ EPOCH = datetime(1970, 1, 1)  # naive UTC, as the DATETIME columns hold it
 CLAIM_TRIES = 3  # a lost claim whose row vanished (released meanwhile) is claimed again
 PROCESSING = int(RecordStatus.PROCESSING)  # plain ints: drivers render an IntEnum differently
 PROCESSED = int(RecordStatus.PROCESSED)
+
+
+def constant(value: int) -> ColumnElement[int]:
+    """``value`` written into the statement instead of bound: it never changes, and every bound
+    value is one more parameter to convert and send with each execution."""
+    return literal_column(str(value), Integer())
+
+
+NULL_RESULT = literal_column("'null'", Text())  # encode_result(None), as a constant
 
 
 def record_columns(table: Table) -> list[ColumnClause[Any]]:
@@ -104,6 +123,39 @@ def row_record(row: Row[Any]) -> Record:
     )
 
 
+def record_json(table: Table, json_array: Any) -> Label[Any]:
+    """The record but its key as ONE JSON array column, built by the dialect's ``json_array``
+    function (``func.json_build_array`` on PostgreSQL, ``func.json_array`` on MySQL); read back
+    by :func:`json_record`.
+
+    A claim reads the record it lost to this way: drivers build an object per column of a
+    result (psycopg's ``Column``, PyMySQL's parsed field descriptor) and SQLAlchemy a processor
+    per column, so one column costs a duplicate far less than the record's eleven.
+    """
+    array: ColumnElement[Any] = json_array(*record_columns(table)[2:], type_=JSON)
+    return array.label("record")
+
+
+def json_record(key: Key, values: Sequence[Any]) -> Record:
+    """A record from :func:`record_json`'s array (decoded by SQLAlchemy's JSON type)."""
+    status, business_id, payload_hash, result, owner, lease_until_ms, attempts, created, done = (
+        values
+    )
+    return Record(
+        consumer=key.consumer,
+        message_id=key.message_id,
+        status=RecordStatus(status),
+        business_id=business_id,
+        payload_hash=payload_hash,
+        result=result,
+        owner=owner,
+        lease_until_ms=lease_until_ms,
+        attempts=attempts,
+        created_time=as_utc(created),
+        processed_time=None if done is None else as_utc(done),
+    )
+
+
 def same_payload(current: ColumnElement[Any], new: ColumnElement[Any]) -> ColumnElement[bool]:
     """An expired lease is taken over only by the same message: a different payload under the
     same id must stay a lost claim, so the guard sees the record and raises
@@ -129,14 +181,14 @@ def new_row(transactional: bool, suffix: str = "") -> dict[str, Any]:
         "business_id": bound("business_id"),
         "payload_hash": bound("payload_hash"),
         "owner": bound("owner"),
-        "attempts": 1,
+        "attempts": constant(1),
         "created_time": bound("now"),
     }
     if transactional:
-        row |= {"status": PROCESSED, "result": "null", "lease_until_ms": None}
+        row |= {"status": constant(PROCESSED), "result": NULL_RESULT, "lease_until_ms": null()}
         row["processed_time"] = bound("now")
     else:
-        row |= {"status": PROCESSING, "result": None, "processed_time": None}
+        row |= {"status": constant(PROCESSING), "result": null(), "processed_time": null()}
         row["lease_until_ms"] = bound("lease_until_ms")
     return row
 
@@ -159,6 +211,7 @@ class SqlPlans:
         self.columns = record_columns(table)
         c = table.c
         owner_is = c.owner == bindparam("b_owner")
+        processing = c.status == constant(PROCESSING)
         self.key_is = and_(
             c.consumer == bindparam("b_consumer"), c.message_id == bindparam("b_message_id")
         )
@@ -170,7 +223,7 @@ class SqlPlans:
         )
         self.in_progress_stmt = (
             select(*self.columns)
-            .where(c.status == PROCESSING)
+            .where(processing)
             .order_by(c.created_time)
             .limit(bindparam("b_limit"))
         )
@@ -184,42 +237,41 @@ class SqlPlans:
         )
         self.complete_stmt = (
             update(table)
-            .where(self.key_is, c.status == PROCESSING, owner_is)
+            .where(self.key_is, processing, owner_is)
             .values(
-                status=PROCESSED,
+                status=constant(PROCESSED),
                 result=bindparam("b_result"),
                 processed_time=bindparam("b_now"),
-                lease_until_ms=None,
+                lease_until_ms=null(),
             )
         )
-        self.release_stmt = delete(table).where(self.key_is, c.status == PROCESSING, owner_is)
+        self.release_stmt = delete(table).where(self.key_is, processing, owner_is)
         self.release_in_stmt = delete(table).where(self.key_is, owner_is)
-        self.force_release_stmt = delete(table).where(self.key_is, c.status == PROCESSING)
+        self.force_release_stmt = delete(table).where(self.key_is, processing)
         self.renew_stmt = (
             update(table)
-            .where(self.key_is, c.status == PROCESSING, owner_is)
+            .where(self.key_is, processing, owner_is)
             .values(lease_until_ms=bindparam("b_lease_until_ms"))
         )
         # A processed record or an expired claim; a live lease only by forget_any_stmt.
         self.forget_stmt = delete(table).where(
             self.key_is,
-            or_(c.status == PROCESSED, c.lease_until_ms <= bindparam("b_now_ms")),
+            or_(c.status == constant(PROCESSED), c.lease_until_ms <= bindparam("b_now_ms")),
         )
         self.forget_any_stmt = delete(table).where(self.key_is)
         self.purge_stmt: Any = delete(table).where(
             tuple_(c.consumer, c.message_id).in_(
                 select(c.consumer, c.message_id)
-                .where(c.status == PROCESSED, c.processed_time < bindparam("b_cutoff"))
+                .where(c.status == constant(PROCESSED), c.processed_time < bindparam("b_cutoff"))
                 .limit(bindparam("b_limit"))
             )
         )
         # One scan of the table answers every count; transactional-mode rows are always
         # PROCESSED with no lease, so only lease-mode claims can be stuck.
-        processing = c.status == PROCESSING
         stuck = and_(processing, c.lease_until_ms <= bindparam("b_now_ms"))
         self.stats_stmt = select(
             func.sum(case((processing, 1), else_=0)).label("processing"),
-            func.sum(case((c.status == PROCESSED, 1), else_=0)).label("processed"),
+            func.sum(case((c.status == constant(PROCESSED), 1), else_=0)).label("processed"),
             func.sum(case((stuck, 1), else_=0)).label("stuck"),
             func.min(case((processing, c.created_time))).label("oldest_processing"),
             func.min(c.processed_time).label("oldest_processed"),
@@ -302,6 +354,7 @@ class SqlPlans:
     # -- the other primitives ----------------------------------------------------------------
 
     def save_result(self, key: Key, result: str) -> Plan[None]:
+        """Store the handler's result on the record claimed in this transaction."""
         yield Step(self.save_result_stmt, {**key_params(key), "b_result": result})
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> Plan[None]:
@@ -318,6 +371,7 @@ class SqlPlans:
             )
 
     def release(self, key: Key, owner: str) -> Plan[None]:
+        """Delete the PROCESSING record if ``owner`` still holds it."""
         yield Step(self.release_stmt, {**key_params(key), "b_owner": owner})
 
     def release_in(self, key: Key, owner: str) -> Plan[None]:
@@ -325,18 +379,22 @@ class SqlPlans:
         yield Step(self.release_in_stmt, {**key_params(key), "b_owner": owner})
 
     def get(self, key: Key) -> Plan[Record | None]:
+        """The record of ``key``, or None."""
         reply = yield Step(self.get_stmt, key_params(key))
         return row_record(reply.rows[0]) if reply.rows else None
 
     def find(self, message_id: str) -> Plan[list[Record]]:
+        """Every consumer's record of ``message_id``."""
         reply = yield Step(self.find_stmt, {"b_message_id": message_id})
         return [row_record(row) for row in reply.rows]
 
     def in_progress(self, limit: int) -> Plan[list[Record]]:
+        """PROCESSING records, oldest first."""
         reply = yield Step(self.in_progress_stmt, {"b_limit": limit})
         return [row_record(row) for row in reply.rows]
 
     def purge_batch(self, cutoff_ms: int, limit: int) -> Plan[int]:
+        """Delete up to ``limit`` PROCESSED records older than ``cutoff_ms``; how many went."""
         params = {"b_cutoff": EPOCH + MILLISECOND * cutoff_ms, "b_limit": limit}
         return (yield Step(self.purge_stmt, params)).rowcount
 
@@ -364,6 +422,7 @@ class SqlPlans:
         return (yield Step(self.force_release_stmt, key_params(key))).rowcount == 1
 
     def stats(self, now_ms: int) -> Plan[StoreStats]:
+        """Counts by status, oldest records and stuck leases at ``now_ms``, and the size."""
         counts = (yield Step(self.stats_stmt, {"b_now_ms": now_ms})).rows[0]
         size_bytes, size_method = yield from self.size()
         return StoreStats(

@@ -194,25 +194,31 @@ class SqlStore(SqlStoreBase):
     # -- transactional primitives ------------------------------------------------------------
 
     def claim_in(self, tx: Connection, request: ClaimRequest) -> Claim:
+        """Claim inside ``tx``, the business transaction (the row is written PROCESSED)."""
         return self._in_transaction(tx, "claim", lambda plans: plans.claim(request, True))
 
     def claim_many_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim a batch inside ``tx``: one multi-row insert, one read."""
         return self._in_transaction(
             tx, "claim_many", lambda plans: plans.claim_many(requests, True)
         )
 
     def save_result_in(self, tx: Connection, key: Key, result: str) -> None:
+        """Store the handler's result on the record claimed in ``tx``."""
         self._in_transaction(tx, "save_result", lambda plans: plans.save_result(key, result))
 
     def release_in(self, tx: Connection, key: Key, owner: str) -> None:
+        """Undo a batch claim of ``owner`` inside ``tx``."""
         self._in_transaction(tx, "release", lambda plans: plans.release_in(key, owner))
 
     # -- lease primitives --------------------------------------------------------------------
 
     def claim(self, request: ClaimRequest) -> Claim:
+        """Claim in lease mode, in a short transaction of the store's own."""
         return self._own_transaction("claim", lambda plans: plans.claim(request, False))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim a batch in lease mode (one transaction)."""
         return self._own_transaction("claim_many", lambda plans: plans.claim_many(requests, False))
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
@@ -220,18 +226,22 @@ class SqlStore(SqlStoreBase):
         self._own_transaction("complete", lambda plans: plans.complete(key, owner, result, now_ms))
 
     def release(self, key: Key, owner: str) -> None:
+        """Delete the PROCESSING record if ``owner`` still holds it."""
         self._own_transaction("release", lambda plans: plans.release(key, owner))
 
     # -- inspection and retention ------------------------------------------------------------
 
     def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        """The record of ``message_id`` for ``consumer``, or None."""
         key = Key(consumer, message_id)
         return self._own_transaction("get", lambda plans: plans.get(key))
 
     def find(self, message_id: str) -> list[Record]:
+        """Every consumer's record of ``message_id``."""
         return self._own_transaction("find", lambda plans: plans.find(message_id))
 
     def in_progress(self, *, limit: int = 100) -> list[Record]:
+        """PROCESSING records, oldest first."""
         return self._own_transaction("in_progress", lambda plans: plans.in_progress(limit))
 
     def purge(

@@ -112,25 +112,31 @@ class AsyncSqlStore(SqlStoreBase):
             return await self._in_transaction(conn, doing, primitive)
 
     async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
+        """Claim inside ``tx``, the business transaction (the row is written PROCESSED)."""
         return await self._in_transaction(tx, "claim", lambda plans: plans.claim(request, True))
 
     async def claim_many_in(
         self, tx: AsyncConnection, requests: Sequence[ClaimRequest]
     ) -> list[Claim]:
+        """Claim a batch inside ``tx``: one multi-row insert, one read."""
         return await self._in_transaction(
             tx, "claim_many", lambda plans: plans.claim_many(requests, True)
         )
 
     async def save_result_in(self, tx: AsyncConnection, key: Key, result: str) -> None:
+        """Store the handler's result on the record claimed in ``tx``."""
         await self._in_transaction(tx, "save_result", lambda plans: plans.save_result(key, result))
 
     async def release_in(self, tx: AsyncConnection, key: Key, owner: str) -> None:
+        """Undo a batch claim of ``owner`` inside ``tx``."""
         await self._in_transaction(tx, "release", lambda plans: plans.release_in(key, owner))
 
     async def claim(self, request: ClaimRequest) -> Claim:
+        """Claim in lease mode, in a short transaction of the store's own."""
         return await self._own_transaction("claim", lambda plans: plans.claim(request, False))
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim a batch in lease mode (one transaction)."""
         return await self._own_transaction(
             "claim_many", lambda plans: plans.claim_many(requests, False)
         )
@@ -142,16 +148,20 @@ class AsyncSqlStore(SqlStoreBase):
         )
 
     async def release(self, key: Key, owner: str) -> None:
+        """Delete the PROCESSING record if ``owner`` still holds it."""
         await self._own_transaction("release", lambda plans: plans.release(key, owner))
 
     async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        """The record of ``message_id`` for ``consumer``, or None."""
         key = Key(consumer, message_id)
         return await self._own_transaction("get", lambda plans: plans.get(key))
 
     async def find(self, message_id: str) -> list[Record]:
+        """Every consumer's record of ``message_id``."""
         return await self._own_transaction("find", lambda plans: plans.find(message_id))
 
     async def in_progress(self, *, limit: int = 100) -> list[Record]:
+        """PROCESSING records, oldest first."""
         return await self._own_transaction("in_progress", lambda plans: plans.in_progress(limit))
 
     async def purge(
