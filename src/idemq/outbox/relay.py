@@ -49,7 +49,7 @@ from idemq._clock import system_clock_ms
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.drivers.sql import translate_db_error
-from idemq.errors import BrokerUnavailableError, StoreError, StoreUnavailableError
+from idemq.errors import BrokerError, BrokerUnavailableError, StoreError, StoreUnavailableError
 from idemq.outbox.outbox import Outbox
 from idemq.outbox.statements import Statements
 
@@ -77,6 +77,15 @@ class BatchResult:
     dead: list[str] = field(default_factory=list)
     refused: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (attempts, reason)
     outage: BrokerUnavailableError | None = None
+
+    def merge(self, other: BatchResult) -> None:
+        """Add ``other`` (a later round of the same batch) to this one."""
+        self.claimed += other.claimed
+        self.published += other.published
+        self.retried += other.retried
+        self.dead += other.dead
+        self.refused.update(other.refused)
+        self.outage = other.outage or self.outage
 
 
 class OutboxRelay:
@@ -144,11 +153,21 @@ class OutboxRelay:
 
     def _locked_batch(self, sql: Statements) -> BatchResult:
         conn = self._connection()
+        total = BatchResult()
         with conn.begin():
-            rows = conn.execute(sql.claim, {"now_ms": self.clock(), "limit": self.batch_size})
-            result = self._publish(rows.all())
-            self._settle(conn, sql, result, {})
-        return result
+            # Rounds inside one transaction: this relay's own deletes make the next row of a key
+            # the head *for it*, while every other relay still sees the deleted rows (not yet
+            # committed) and keeps off the key.
+            while total.claimed < self.batch_size:
+                limit = self.batch_size - total.claimed
+                rows = conn.execute(sql.claim, {"now_ms": self.clock(), "limit": limit}).all()
+                result = self._publish(rows)
+                self._settle(conn, sql, result, {})
+                total.merge(result)
+                keyed = any(row.ordering_key is not None for row in rows)
+                if not rows or result.outage is not None or (len(rows) < limit and not keyed):
+                    break
+        return total
 
     def _leased_batch(self, sql: Statements) -> BatchResult:
         now = self.clock()
@@ -222,7 +241,7 @@ class OutboxRelay:
                 try:
                     result = self.run_once()
                     self.cleanup_if_due()
-                except (StoreError, BrokerUnavailableError) as exc:
+                except (StoreError, BrokerError) as exc:
                     result = BatchResult(outage=_as_outage(exc))
                 if result.outage is not None:
                     outage_s = min(max(outage_s * 2, 0.1), 5.0)
@@ -293,7 +312,7 @@ class OutboxRelay:
 def _as_outage(exc: Exception) -> BrokerUnavailableError:
     if isinstance(exc, BrokerUnavailableError):
         return exc
-    outage = BrokerUnavailableError(f"store: {exc}")
+    outage = BrokerUnavailableError(f"{type(exc).__name__}: {exc}")
     outage.__cause__ = exc
     return outage
 
