@@ -94,6 +94,14 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
             " FOR UPDATE SKIP LOCKED"
         )
         mine = ""
+    if name in ("mysql", "mariadb"):
+        # MySQL's own bounded DELETE: a range on ix_pending (an IN-subquery may scan the table).
+        cleanup = text(f"DELETE FROM {t} WHERE sent_ms < :cutoff_ms ORDER BY sent_ms LIMIT :limit")
+    else:
+        cleanup = text(
+            f"DELETE FROM {t} WHERE id IN (SELECT id FROM (SELECT id FROM {t} WHERE sent_ms <"
+            " :cutoff_ms ORDER BY sent_ms LIMIT :limit) AS c)"
+        )
     dead_columns = "id, destination, body, headers, ordering_key, created_ms, attempts, last_error"
     return Statements(
         dialect=name,
@@ -122,10 +130,7 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
             f"SELECT id, destination, body, headers, ordering_key FROM {dead} WHERE id = :id"
         ),
         delete_dead=text(f"DELETE FROM {dead} WHERE id = :id"),
-        cleanup=text(
-            f"DELETE FROM {t} WHERE id IN (SELECT id FROM (SELECT id FROM {t} WHERE sent_ms <"
-            " :cutoff_ms ORDER BY sent_ms LIMIT :limit) AS c)"
-        ),
+        cleanup=cleanup,
         stats=text(f"SELECT COUNT(*), MIN(created_ms) FROM {t} WHERE sent_ms IS NULL"),
         dead_count=text(f"SELECT COUNT(*) FROM {dead}"),
         lease=name == "sqlite",
