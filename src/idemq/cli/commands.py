@@ -143,6 +143,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         batch_size=args.batch_size,
         batch_wait_ms=args.batch_wait_ms,
+        relay=args.relay,
+        outbox_table=args.outbox_table,
     )
     err_console.print(f"idemq worker stopped: {stats}")
     return EXIT_OK
@@ -293,15 +295,20 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    from idemq.outbox import Outbox, outbox_sql  # noqa: PLC0415
     from idemq.stores.sql.store import SqlStore, schema_sql  # noqa: PLC0415
 
     if args.store:
         store = SqlStore(args.store, table=args.table)
         try:
             store.create_schema()
+            if not args.no_outbox:
+                Outbox(store, table=args.outbox_table).create_schema()
         finally:
             store.close()
         err_console.print(f"created (if missing) table {args.table} in {store.where}")
         return EXIT_OK
     print(schema_sql(args.dialect, table=args.table), end="")
+    if not args.no_outbox:
+        print("\n" + outbox_sql(args.dialect, table=args.outbox_table), end="")
     return EXIT_OK

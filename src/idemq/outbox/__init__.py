@@ -15,7 +15,7 @@ from idemq.outbox.relay import (
     outbox_stats,
     retry_dead,
 )
-from idemq.outbox.schema import DEFAULT_TABLE, ddl
+from idemq.outbox.schema import DEFAULT_TABLE, ddl, outbox_sql
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -26,6 +26,7 @@ __all__ = [
     "OutboxStats",
     "cleanup",
     "ddl",
+    "outbox_sql",
     "outbox_stats",
     "retry_dead",
 ]

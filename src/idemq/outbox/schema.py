@@ -38,6 +38,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
@@ -51,6 +52,7 @@ __all__ = [
     "build_outbox_table",
     "check_table_name",
     "ddl",
+    "outbox_sql",
     "tables_for",
 ]
 
@@ -207,3 +209,10 @@ def ddl(dialect: Dialect, name: str = DEFAULT_TABLE) -> str:
             str(CreateIndex(index).compile(dialect=dialect)).strip() for index in table.indexes
         ]
     return ";\n\n".join(statements) + ";\n"
+
+
+def outbox_sql(dialect: str, *, table: str = DEFAULT_TABLE) -> str:
+    """:func:`ddl` for a dialect named ``postgresql``, ``mysql``, ``mariadb`` or ``sqlite``."""
+    if dialect not in ("postgresql", "mysql", "mariadb", "sqlite"):
+        raise ConfigurationError(f"unknown dialect {dialect!r}")
+    return ddl(make_url(f"{dialect}://").get_dialect()(), check_table_name(table))
