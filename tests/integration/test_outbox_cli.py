@@ -3,6 +3,7 @@ the outbox, on PostgreSQL and Redis Streams."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -156,3 +157,33 @@ def test_schema_prints_the_outbox_ddl_too(capsys: pytest.CaptureFixture[str]) ->
     assert "CREATE TABLE message_idempotent" in out
     assert "CREATE TABLE my_outbox" in out
     assert "CREATE TABLE my_outbox_dead" in out
+
+
+def test_stats_shows_the_outbox_and_the_metrics_export_it(
+    outbox: idemq.Outbox, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest  # noqa: PLC0415
+
+    from idemq.observe.prometheus import OutboxCollector  # noqa: PLC0415
+
+    with outbox.engine.begin() as conn:
+        for i in range(3):
+            outbox.add(conn, "nowhere", b"%d" % i)
+    args = ["stats", "--store", PG_URL, "--outbox-table", outbox.table, "--json"]
+    assert main(args) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report["outbox"]["pending"] == 3
+    assert report["outbox"]["dead"] == 0
+    assert report["outbox"]["oldest_pending_age_s"] >= 0
+    assert "records" in report  # the store's own keys are all still there
+    assert main(["stats", "--store", PG_URL, "--outbox-table", "no_such_outbox", "--json"]) == 0
+    assert "outbox" not in json.loads(capsys.readouterr().out)
+
+    relay = idemq.OutboxRelay(outbox, f"embedded://{tmp_path / 'q.db'}")
+    registry = CollectorRegistry()
+    registry.register(OutboxCollector(outbox, relays=[relay], min_interval_s=0))
+    text = generate_latest(registry).decode()
+    assert f'idemq_outbox_pending{{outbox="{outbox.table}"}} 3.0' in text
+    assert f'idemq_outbox_published_total{{outbox="{outbox.table}"}} 0.0' in text
+    assert "idemq_outbox_oldest_pending_age_seconds" in text
+    assert f'idemq_outbox_dead_total{{outbox="{outbox.table}"}} 0.0' in text

@@ -184,9 +184,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from idemq.outbox import outbox_report  # noqa: PLC0415
+
     store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
     try:
         report = admin.stats_report(store)
+        outbox = outbox_report(store, args.outbox_table)
+        if outbox is not None:
+            report["outbox"] = outbox
     finally:
         store.close()
     if args.json:
@@ -205,6 +210,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     table.add_row("oldest processed", str(report["oldest_processed"] or "-"))
     size = report["size_bytes"]
     table.add_row("size", f"{size:,} bytes ({report['size_method']})" if size is not None else "?")
+    if outbox is not None:
+        table.add_row(f"outbox {outbox['table']}: pending", str(outbox["pending"]))
+        table.add_row("outbox: oldest pending", f"{outbox['oldest_pending_age_s']} s ago")
+        table.add_row("outbox: dead (retry with `idemq outbox retry ID`)", str(outbox["dead"]))
     console.print(table)
     if report["stuck_records"]:
         stuck = Table(title="oldest stuck leases (free one with `idemq release ID`)")

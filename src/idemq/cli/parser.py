@@ -83,6 +83,9 @@ def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     stats = add("stats", cmd_stats, "records by status, oldest, stuck leases, size of a store")
     stats.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
     stats.add_argument("--json", action="store_true")
+    stats.add_argument(
+        "--outbox-table", default="idemq_outbox", help="outbox shown when the table exists"
+    )
     _add_store_naming(stats)
     release = add("release", cmd_release, "free a stuck lease so the message can be retried")
     release.add_argument("id")

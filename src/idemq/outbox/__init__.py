@@ -6,15 +6,9 @@ with publisher confirms and forgets each only after its confirm. With the inbox 
 of the consuming side) a consume → change → publish chain has its effects exactly once.
 """
 
+from idemq.outbox.admin import OutboxStats, cleanup, outbox_report, outbox_stats, retry_dead
 from idemq.outbox.outbox import AsyncOutbox, Outbox
-from idemq.outbox.relay import (
-    BatchResult,
-    OutboxRelay,
-    OutboxStats,
-    cleanup,
-    outbox_stats,
-    retry_dead,
-)
+from idemq.outbox.relay import BatchResult, OutboxRelay
 from idemq.outbox.schema import DEFAULT_TABLE, ddl, outbox_sql
 
 __all__ = [
@@ -26,6 +20,7 @@ __all__ = [
     "OutboxStats",
     "cleanup",
     "ddl",
+    "outbox_report",
     "outbox_sql",
     "outbox_stats",
     "retry_dead",

@@ -50,21 +50,13 @@ from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.drivers.sql import translate_db_error
 from idemq.errors import BrokerError, BrokerUnavailableError, StoreError, StoreUnavailableError
+from idemq.outbox.admin import cleanup
 from idemq.outbox.outbox import Outbox
 from idemq.outbox.statements import Statements
 
-__all__ = ["BatchResult", "OutboxRelay", "OutboxStats"]
+__all__ = ["BatchResult", "OutboxRelay"]
 
 log = logging.getLogger("idemq.relay")
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxStats:
-    """What ``idemq stats`` and the metrics show of an outbox."""
-
-    pending: int
-    oldest_pending_age_s: float
-    dead: int
 
 
 @dataclass(slots=True)
@@ -317,26 +309,6 @@ def _as_outage(exc: Exception) -> BrokerUnavailableError:
     return outage
 
 
-def cleanup(
-    outbox: Outbox, *, keep_sent_s: float, batch: int = 1000, now_ms: int | None = None
-) -> int:
-    """Delete rows of ``outbox`` sent more than ``keep_sent_s`` ago, ``batch`` per transaction
-    (no long lock, an indexed range each time); how many went."""
-    now = outbox.clock() if now_ms is None else now_ms
-    cutoff = now - int(keep_sent_s * 1000)
-    total = 0
-    try:
-        while True:
-            with outbox.engine.begin() as conn:
-                sql = outbox.statements(conn.dialect)
-                deleted = conn.execute(sql.cleanup, {"cutoff_ms": cutoff, "limit": batch}).rowcount
-            total += deleted
-            if deleted < batch:
-                return total
-    except DBAPIError as exc:
-        raise translate_db_error(exc, f"cleanup of {outbox.table}") from exc
-
-
 class _Waiter:
     """How an idle relay waits: ``poll_s`` (every database but PostgreSQL)."""
 
@@ -386,46 +358,3 @@ def _waiter_for(outbox: Outbox) -> _Waiter:
     if outbox.engine.dialect.name == "postgresql" and outbox.engine.dialect.driver == "psycopg":
         return _ListenWaiter(outbox)
     return _Waiter()
-
-
-def outbox_stats(outbox: Outbox, *, now_ms: int | None = None) -> OutboxStats:
-    """Pending rows, the age of the oldest one, dead rows."""
-    now = outbox.clock() if now_ms is None else now_ms
-    try:
-        with outbox.engine.connect() as conn:
-            sql = outbox.statements(conn.dialect)
-            pending, oldest = conn.execute(sql.stats).one()
-            dead = conn.execute(sql.dead_count).scalar_one()
-    except DBAPIError as exc:
-        raise translate_db_error(exc, f"stats of {outbox.table}") from exc
-    age_s = max(0.0, (now - int(oldest)) / 1000) if oldest is not None else 0.0
-    return OutboxStats(pending=int(pending), oldest_pending_age_s=age_s, dead=int(dead))
-
-
-def retry_dead(outbox: Outbox, message_id: str) -> bool:
-    """Move the dead row ``message_id`` back into the outbox (a fresh ``seq``, 0 attempts);
-    ``False`` if there is no such dead row."""
-    now = outbox.clock()
-    try:
-        with outbox.engine.begin() as conn:
-            sql = outbox.statements(conn.dialect)
-            row = conn.execute(sql.from_dead, {"id": message_id}).one_or_none()
-            if row is None:
-                return False
-            insert = sql.insert if row.ordering_key is None else sql.insert_keyed
-            conn.execute(
-                insert,
-                {
-                    "id": row.id,
-                    "destination": row.destination,
-                    "body": bytes(row.body),
-                    "headers": row.headers,
-                    "ordering_key": row.ordering_key,
-                    "now_ms": now,
-                    "channel": sql.channel,
-                },
-            )
-            conn.execute(sql.delete_dead, {"id": message_id})
-            return True
-    except DBAPIError as exc:
-        raise translate_db_error(exc, f"retry of {message_id!r} in {outbox.table}") from exc
