@@ -4,6 +4,9 @@ end to end on the embedded broker (the other brokers: test_outbox_relay.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -254,3 +257,38 @@ def test_refused_row_backs_off_then_goes_dead_holding_back_only_its_key(
     fixed.close()
     assert [g[0] for g in drain(broker, bad)] == [doomed]
     assert outbox_stats(outbox).dead == 0
+
+
+def test_three_relays_on_each_database_publish_each_row_once_in_key_order(
+    outbox: idemq.Outbox, tmp_path: Path
+) -> None:
+    queue, url = unique("q"), f"embedded://{tmp_path / 'many.db'}"
+    with outbox.engine.begin() as conn:
+        for n in range(40):
+            for k in range(5):
+                body = json.dumps({"k": k, "n": n}).encode()
+                outbox.add(conn, queue, body, ordering_key=f"k{k}")
+    stop = threading.Event()
+    relays = [idemq.OutboxRelay(outbox, url, batch_size=7, poll_s=0.05) for _ in range(3)]
+    threads = [threading.Thread(target=r.run, args=(stop,)) for r in relays]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while outbox_stats(outbox).pending and time.monotonic() < deadline:
+            stop.wait(0.1)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        for relay in relays:
+            relay.close()
+    reader = open_broker(url)
+    try:
+        got = [json.loads(body) for _, body, _ in drain(reader, queue)]
+    finally:
+        reader.close()
+    assert len(got) == 200
+    for k in range(5):
+        assert [g["n"] for g in got if g["k"] == k] == list(range(40))
+    assert sum(r.published_total for r in relays) == 200
