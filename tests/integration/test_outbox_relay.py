@@ -288,3 +288,27 @@ def test_broker_down_for_10s_rows_wait_then_all_arrive(outbox: idemq.Outbox) -> 
     assert outbox_stats(outbox).dead == 0
     consumer.delete_queue(queue)
     consumer.close()
+
+
+def test_an_idle_postgresql_relay_wakes_on_notify_not_on_its_poll(
+    outbox: idemq.Outbox, tmp_path: Path
+) -> None:
+    url = f"embedded://{tmp_path / 'queue.db'}"
+    stop = threading.Event()
+    relay = idemq.OutboxRelay(outbox, url, poll_s=30)
+    thread = threading.Thread(target=relay.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(1)  # idle: listening, its next poll 30 s away
+        with outbox.engine.begin() as conn:
+            outbox.add(conn, "woken", b"x")
+        started = time.monotonic()
+        while outbox_stats(outbox).pending and time.monotonic() - started < 20:
+            time.sleep(0.02)
+        assert time.monotonic() - started < 5, "published on the NOTIFY, long before the poll"
+    finally:
+        stop.set()
+        with outbox.engine.begin() as conn:
+            outbox.add(conn, "woken", b"wake up to stop")  # so the 30 s wait ends now
+        thread.join(60)
+        relay.close()

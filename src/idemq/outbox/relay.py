@@ -132,6 +132,9 @@ class OutboxRelay:
     def run_once(self) -> BatchResult:
         """Claim, publish and settle one batch; see the module docstring."""
         sql = self.outbox.statements(self.outbox.engine.dialect)
+        # Connected before any row is claimed: a broker that cannot be reached (or a bad URL)
+        # must not count as a refusal of the rows.
+        self._open_broker()
         try:
             if sql.lease:
                 return self._leased_batch(sql)
@@ -174,12 +177,11 @@ class OutboxRelay:
 
     def _publish(self, rows: Sequence[Row[Any]]) -> BatchResult:
         result = BatchResult(claimed=len(rows))
+        broker = self._open_broker()
         for row in rows:
             try:
                 headers = json.loads(row.headers) if row.headers else {}
-                self._open_broker().publish(
-                    row.destination, bytes(row.body), headers=headers, message_id=row.id
-                )
+                broker.publish(row.destination, bytes(row.body), headers=headers, message_id=row.id)
             except BrokerUnavailableError as exc:
                 # This row and the rest wait for the broker: no attempt is counted.
                 result.outage = exc
@@ -348,6 +350,8 @@ class _ListenWaiter(_Waiter):
     def close(self) -> None:
         if self._conn is not None:
             try:
+                # The connection goes back to the pool: it must not keep listening there.
+                self._conn.exec_driver_sql("UNLISTEN *")
                 self._conn.close()
             except Exception:  # closing a broken connection may fail
                 log.debug("closing the LISTEN connection failed", exc_info=True)
