@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 import idemq
@@ -141,6 +142,8 @@ def test_async_add(sql_url: str) -> None:
         await box.create_schema()
         async with store.engine.begin() as conn:
             made = [await box.add(conn, "q", b"x", ordering_key="k")]
+        async with AsyncSession(store.engine) as session, session.begin():
+            made.append(await box.add(session, "q", b"through a session"))
 
         async def failing_handler() -> None:
             async with store.engine.begin() as conn:
