@@ -38,6 +38,7 @@ from idemq.ids import MessageIdGenerator, MessageIdParts, NodeLease, lease_node,
 from idemq.lock import AsyncRedisLock, RedisLock
 from idemq.message import Message
 from idemq.observe import CompositeObserver, LoggingObserver, Observer
+from idemq.outbox import AsyncOutbox, Outbox, OutboxRelay
 from idemq.stores import open_store
 from idemq.stores.base import Record, RecordStatus, StoreStats
 from idemq.stores.memory import MemoryStore
@@ -48,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncIdempotency",
+    "AsyncOutbox",
     "AsyncRedisLock",
     "AsyncRedisStore",
     "AsyncSqlStore",
@@ -71,6 +73,8 @@ __all__ = [
     "Mode",
     "NodeLease",
     "Observer",
+    "Outbox",
+    "OutboxRelay",
     "Outcome",
     "PayloadMismatchError",
     "Record",

@@ -149,6 +149,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         batch_size=args.batch_size,
         batch_wait_ms=args.batch_wait_ms,
+        relay=args.relay,
+        outbox_table=args.outbox_table,
     )
     err_console.print(f"idemq worker stopped: {stats}")
     return EXIT_OK
@@ -188,9 +190,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from idemq.outbox import outbox_report  # noqa: PLC0415
+
     store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
     try:
         report = admin.stats_report(store)
+        outbox = outbox_report(store, args.outbox_table)
+        if outbox is not None:
+            report["outbox"] = outbox
     finally:
         store.close()
     if args.json:
@@ -209,6 +216,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     table.add_row("oldest processed", str(report["oldest_processed"] or "-"))
     size = report["size_bytes"]
     table.add_row("size", f"{size:,} bytes ({report['size_method']})" if size is not None else "?")
+    if outbox is not None:
+        table.add_row(f"outbox {outbox['table']}: pending", str(outbox["pending"]))
+        table.add_row("outbox: oldest pending", f"{outbox['oldest_pending_age_s']} s ago")
+        table.add_row("outbox: dead (retry with `idemq outbox retry ID`)", str(outbox["dead"]))
     console.print(table)
     if report["stuck_records"]:
         stuck = Table(title="oldest stuck leases (free one with `idemq release ID`)")
@@ -323,15 +334,20 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    from idemq.outbox import Outbox, outbox_sql  # noqa: PLC0415
     from idemq.stores.sql.store import SqlStore, schema_sql  # noqa: PLC0415
 
     if args.store:
         store = SqlStore(args.store, table=args.table)
         try:
             store.create_schema()
+            if not args.no_outbox:
+                Outbox(store, table=args.outbox_table).create_schema()
         finally:
             store.close()
         err_console.print(f"created (if missing) table {args.table} in {store.where}")
         return EXIT_OK
     print(schema_sql(args.dialect, table=args.table), end="")
+    if not args.no_outbox:
+        print("\n" + outbox_sql(args.dialect, table=args.outbox_table), end="")
     return EXIT_OK

@@ -37,6 +37,7 @@ from idemq.cli.commands import (
     cmd_worker,
     err_console,
 )
+from idemq.cli.outbox_commands import cmd_outbox_retry, cmd_relay
 from idemq.errors import ConfigurationError, IdemqError, InvalidInputError, StoreError
 
 __all__ = [
@@ -83,6 +84,9 @@ def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     stats = add("stats", cmd_stats, "records by status, oldest, stuck leases, size of a store")
     stats.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
     stats.add_argument("--json", action="store_true")
+    stats.add_argument(
+        "--outbox-table", default="idemq_outbox", help="outbox shown when the table exists"
+    )
     _add_store_naming(stats)
     release = add("release", cmd_release, "free a stuck lease so the message can be retried")
     release.add_argument("id")
@@ -154,6 +158,29 @@ def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_outbox_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """``relay`` and ``outbox retry``."""
+    relay = add("relay", cmd_relay, "publish the outbox's committed rows, with confirms")
+    relay.add_argument("--store", required=True, help="SQLAlchemy URL of the outbox's database")
+    relay.add_argument("--broker", required=True, help="amqp://, kafka://, nats://, redis://, …")
+    relay.add_argument("--outbox-table", default="idemq_outbox")
+    relay.add_argument("--batch-size", type=int, default=100, help="rows per transaction")
+    relay.add_argument(
+        "--max-attempts", type=int, default=10, help="refusals before a row is dead (default 10)"
+    )
+    relay.add_argument(
+        "--keep-sent-s", type=float, default=0.0, help="keep sent rows this long (default: delete)"
+    )
+    relay.add_argument("--create-schema", action="store_true", help="create missing tables first")
+    outbox = add("outbox", lambda _: EXIT_USAGE, "outbox operations")
+    outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True, metavar="retry")
+    retry = outbox_sub.add_parser("retry", help="move a dead outbox row back to be published")
+    retry.set_defaults(func=cmd_outbox_retry)
+    retry.add_argument("id")
+    retry.add_argument("--store", required=True, help="SQLAlchemy URL of the outbox's database")
+    retry.add_argument("--outbox-table", default="idemq_outbox")
+
+
 def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list of commands)
     parser = argparse.ArgumentParser(
         prog="idemq", description="Exactly-once effects for at-least-once message consumers."
@@ -206,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (extra: metrics)"
     )
     _add_batch_flags(worker)
+    worker.add_argument(
+        "--relay", action="store_true", help="also relay the store's outbox to the broker"
+    )
+    worker.add_argument("--outbox-table", default="idemq_outbox")
+
+    _add_outbox_commands(add)
 
     ids = add("id", lambda _: EXIT_USAGE, "message ids: PREFIX_yyyyMMddHHmmssSSS_NODE_SEQ")
     id_sub = ids.add_subparsers(dest="id_command", required=True, metavar="new|parse")
@@ -266,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
     )
     schema.add_argument("--table", default="message_idempotent")
     schema.add_argument("--store", help="create the table in this database instead of printing")
+    schema.add_argument("--outbox-table", default="idemq_outbox", help="outbox tables' name")
+    schema.add_argument("--no-outbox", action="store_true", help="only the dedup table")
     return parser
 
 

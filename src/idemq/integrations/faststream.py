@@ -22,6 +22,14 @@ AcknowledgementMiddleware, around the decoded handler call):
    Anything but an ack then raises FastStream's ``SkipMessage``: no reply or ``@publisher``
    output is sent for a message whose effect did not happen, and FastStream settles nothing more.
 
+With ``outbox=`` (an :class:`~idemq.AsyncOutbox` on the guard's database), every publish the
+handler makes while it runs (``await broker.publish(…)``, ``await publisher.publish(…)``) is not
+sent but added to the outbox in the dedup transaction, with an id derived from the incoming
+message: it leaves (through ``idemq relay``) if and only if the transaction commits. A
+``@publisher`` decorator's output is published by FastStream after the handler returned — after
+the commit — so it is sent directly, not through the outbox; publish from the handler instead
+when the output must be exactly once.
+
 Subscribers must not use ``AckPolicy.ACK_FIRST`` (the message would be acked before its effect
 committed); the middleware refuses such messages with :class:`~idemq.ConfigurationError`.
 """
@@ -38,6 +46,7 @@ from typing import Any
 
 from faststream import BaseMiddleware
 from faststream.exceptions import IgnoredException, SkipMessage
+from faststream.message import encode_message
 
 from idemq.brokers.base import dead_letter_headers, decode
 from idemq.brokers.settlement import (
@@ -122,6 +131,8 @@ class IdempotencyMiddleware:
     ``on_dead_letter``: see :data:`DeadLetterHook`; without it a dead message is rejected (RabbitMQ
     → the queue's DLX, NATS → TERM) or, where the broker cannot reject, acked and logged.
     ``check_payload``: hash the raw body so a reused id with another body is refused.
+    ``outbox``: an :class:`~idemq.AsyncOutbox`; the handler's publishes go into it (see the
+    module docstring).
     """
 
     def __init__(
@@ -134,6 +145,7 @@ class IdempotencyMiddleware:
         retry_policy: RetryPolicy | None = None,
         on_dead_letter: DeadLetterHook | None = None,
         check_payload: bool = True,
+        outbox: Any = None,
     ) -> None:
         if not isinstance(guard, AsyncIdempotency):
             raise ConfigurationError(
@@ -155,6 +167,7 @@ class IdempotencyMiddleware:
         )
         self.on_dead_letter = on_dead_letter
         self.check_payload = check_payload
+        self.outbox = outbox
         self._failures = _Failures()
 
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
@@ -317,3 +330,16 @@ class _Scope(BaseMiddleware):
 
     async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
         return await self._owner.consume(call_next, msg, self.context)
+
+    async def publish_scope(self, call_next: Callable[[Any], Awaitable[Any]], cmd: Any) -> Any:
+        outbox = self._owner.outbox
+        tx = current_tx()
+        if outbox is None or tx is None:
+            return await call_next(cmd)
+        # Inside a guarded handler: the message leaves only if the dedup transaction commits.
+        body, content_type = encode_message(cmd.body, None)
+        headers = _str_headers(cmd.headers)
+        if content_type:
+            headers.setdefault("content-type", content_type)
+        await outbox.add(tx, cmd.destination, body, headers=headers)
+        return None

@@ -20,8 +20,13 @@ Per store (from :class:`StoreCollector`, label ``store``; read on scrape, at mos
     idemq_store_size_bytes                 the backend's size estimate (absent if unknown)
     idemq_store_up                         1 if the last stats() worked, else 0
 
-There is no "outbox lag" gauge: idemq has no outbox yet, and the age of the oldest PROCESSING
-record (exported above under its own name) is a different thing.
+Per outbox (from :class:`OutboxCollector`, label ``outbox``: the table name)::
+
+    idemq_outbox_pending                      rows not yet published
+    idemq_outbox_oldest_pending_age_seconds   age of the oldest of them (0 if none): the lag
+    idemq_outbox_dead_rows                    rows in ``<table>_dead`` now
+    idemq_outbox_published_total              rows the given relays published (counter)
+    idemq_outbox_dead_total                   rows the given relays moved to dead (counter)
 
 Labels never carry credentials: ``store`` is :func:`idemq.stores.store_label` (dialect and
 table, or ``redis/<prefix>``), never a URL.
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from idemq.errors import ConfigurationError, StoreError
@@ -43,14 +48,20 @@ from idemq.stores.base import StoreStats
 
 try:
     import prometheus_client
-    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector, CollectorRegistry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "idemq.observe.prometheus needs prometheus-client: pip install 'idemq[metrics]'"
     ) from exc
 
-__all__ = ["LATENCY_BUCKETS_S", "PrometheusObserver", "StoreCollector", "serve_metrics"]
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "OutboxCollector",
+    "PrometheusObserver",
+    "StoreCollector",
+    "serve_metrics",
+]
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 """Histogram buckets (seconds): a claim is typically sub-millisecond to a few ms."""
@@ -212,6 +223,70 @@ class StoreCollector(Collector):
             )
             size.add_metric(labels, stats.size_bytes)
             yield size
+
+
+class OutboxCollector(Collector):
+    """Outbox gauges (read on scrape, at most once per ``min_interval_s``) and the counters of
+    ``relays``. Register it: ``registry.register(OutboxCollector(outbox, relays=[relay]))``."""
+
+    def __init__(
+        self,
+        outbox: Any,
+        *,
+        relays: Sequence[Any] = (),
+        min_interval_s: float = 15.0,
+        clock_s: Callable[[], float] = time.monotonic,
+    ) -> None:
+        from idemq.outbox import outbox_stats  # noqa: PLC0415 - the outbox floor is below
+
+        self.outbox = outbox
+        self.relays = list(relays)
+        self.min_interval_s = min_interval_s
+        self._read = outbox_stats
+        self._clock_s = clock_s
+        self._lock = threading.Lock()
+        self._read_at_s: float | None = None
+        self._last: Any = None
+
+    def _stats(self) -> Any:
+        with self._lock:
+            now_s = self._clock_s()
+            if self._read_at_s is None or now_s - self._read_at_s >= self.min_interval_s:
+                self._read_at_s = now_s
+                try:
+                    self._last = self._read(self.outbox)
+                except StoreError:
+                    self._last = None  # a scrape must not fail because the database is down
+            return self._last
+
+    def collect(self) -> Iterator[Metric]:
+        """The outbox's gauges and its relays' counters."""
+        labels = [self.outbox.table]
+        published = CounterMetricFamily(
+            "idemq_outbox_published", "Rows published by the relays.", labels=["outbox"]
+        )
+        published.add_metric(labels, sum(r.published_total for r in self.relays))
+        yield published
+        dead_total = CounterMetricFamily(
+            "idemq_outbox_dead", "Rows the relays moved to the dead table.", labels=["outbox"]
+        )
+        dead_total.add_metric(labels, sum(r.dead_total for r in self.relays))
+        yield dead_total
+        stats = self._stats()
+        if stats is None:
+            return
+        for name, doc, value in (
+            ("idemq_outbox_pending", "Rows not yet published.", stats.pending),
+            (
+                "idemq_outbox_oldest_pending_age_seconds",
+                "Age of the oldest unpublished row (0 if none).",
+                stats.oldest_pending_age_s,
+            ),
+            ("idemq_outbox_dead_rows", "Rows in the dead table now.", stats.dead),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["outbox"])
+            gauge.add_metric(labels, value)
+            yield gauge
 
 
 def serve_metrics(

@@ -98,6 +98,8 @@ def run_worker(
     metrics_port: int | None = None,
     batch_size: int | None = None,
     batch_wait_ms: int = 50,
+    relay: bool = False,
+    outbox_table: str = "idemq_outbox",
 ) -> WorkerStats:
     """What ``idemq worker MODULE:HANDLER --broker URL --queue NAME --store URL`` runs.
 
@@ -107,7 +109,8 @@ def run_worker(
     (``idemq.observe.prometheus``); outcomes are logged on ``idemq.guard`` with structured
     fields either way. ``batch_size``: guard up
     to that many deliveries per transaction (``idemq.worker.batch``), waiting ``batch_wait_ms`` at
-    most for a batch to fill.
+    most for a batch to fill. ``relay``: also run an :class:`~idemq.OutboxRelay` thread for
+    the outbox ``outbox_table`` in the store's database, publishing to the same broker.
     """
     batch = None if batch_size is None else BatchSettings(batch_size, batch_wait_ms)
     fn = load_handler(handler) if isinstance(handler, str) else handler
@@ -136,6 +139,10 @@ def run_worker(
         ),
         batch=batch,
     )
+    stop_relay = threading.Event()
+    relay_thread = (
+        _start_relay(guard.store, outbox_table, broker_url, stop_relay) if relay else None
+    )
     try:
         if on_start is not None:
             on_start(worker)
@@ -143,8 +150,30 @@ def run_worker(
             return _run_with_signals(worker)
         return worker.run()
     finally:
+        stop_relay.set()
+        if relay_thread is not None:
+            relay_thread.join()
         stop_metrics()
         guard.store.close()
+
+
+def _start_relay(
+    store: object, table: str, broker_url: str, stop: threading.Event
+) -> threading.Thread:
+    """The relay of ``store``'s outbox on its own thread (and its own broker connection)."""
+    if not isinstance(store, idemq.SqlStore):
+        raise ConfigurationError("--relay needs a SQL store: the outbox lives in its database")
+    relay = idemq.OutboxRelay(idemq.Outbox(store, table=table), broker_url)
+
+    def run() -> None:
+        try:
+            relay.run(stop)
+        finally:
+            relay.close()
+
+    thread = threading.Thread(target=run, name="idemq-relay", daemon=True)
+    thread.start()
+    return thread
 
 
 def _run_with_signals(worker: Worker) -> WorkerStats:

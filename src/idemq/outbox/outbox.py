@@ -1,0 +1,235 @@
+"""``Outbox.add``: an outgoing message written in the caller's transaction.
+
+The row commits or rolls back with the business change beside it; a relay
+(:class:`~idemq.outbox.relay.OutboxRelay`) publishes it after the commit. Both twins run one
+plan (:func:`add_plan`, one INSERT); only the way the statement is executed differs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sqlalchemy import Connection, Dialect, Engine, TextClause
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session
+
+from idemq._clock import system_clock_ms
+from idemq._plan import Plan, adrive, drive
+from idemq.drivers.sql import translate_db_error
+from idemq.errors import ConfigurationError, InvalidInputError
+from idemq.outbox.ids import next_outbox_id
+from idemq.outbox.schema import (
+    DEFAULT_TABLE,
+    adopt_or_create,
+    check_table_name,
+    ddl,
+    tables_for,
+)
+from idemq.outbox.statements import Statements, statements_for
+
+__all__ = ["AsyncOutbox", "Outbox", "OutboxBase", "add_plan"]
+
+MAX_KEY_LENGTH = 128
+MAX_DESTINATION_LENGTH = 255
+
+Step = tuple[TextClause, dict[str, Any]]
+
+
+def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
+    sql: Statements,
+    destination: str,
+    body: bytes,
+    headers: Mapping[str, str] | None,
+    ordering_key: str | None,
+    now_ms: int,
+) -> Plan[Step, str]:
+    """Check the message, take its id, INSERT it; the answer is the id."""
+    if not isinstance(destination, str) or not 0 < len(destination) <= MAX_DESTINATION_LENGTH:
+        raise InvalidInputError(f"outbox destination must be 1..255 characters: {destination!r}")
+    if not isinstance(body, bytes | bytearray | memoryview):
+        raise InvalidInputError(f"outbox body must be bytes, got {type(body).__name__}")
+    if ordering_key is not None and (
+        not isinstance(ordering_key, str) or not 0 < len(ordering_key) <= MAX_KEY_LENGTH
+    ):
+        raise InvalidInputError(f"ordering_key must be 1..128 characters: {ordering_key!r}")
+    if headers and not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise InvalidInputError("outbox headers must map str to str")
+    message_id = next_outbox_id()
+    params = {
+        "id": message_id,
+        "destination": destination,
+        "body": bytes(body),
+        "headers": json.dumps(dict(headers)) if headers else None,
+        "ordering_key": ordering_key,
+        "now_ms": now_ms,
+        "channel": sql.channel,
+    }
+    yield (sql.insert if ordering_key is None else sql.insert_keyed), params
+    return message_id
+
+
+class OutboxBase:
+    """What both twins share: the table name, the statements per dialect, the DDL."""
+
+    def __init__(self, table: str, clock: Callable[[], int]) -> None:
+        self.table = check_table_name(table)
+        self.clock = clock
+        self._statements: dict[str, Statements] = {}
+
+    def statements(self, dialect: Dialect) -> Statements:
+        """The statements of this table for ``dialect`` (built once)."""
+        found = self._statements.get(dialect.name)
+        if found is None:
+            found = self._statements[dialect.name] = statements_for(dialect, self.table)
+        return found
+
+    def ddl(self, dialect: Dialect) -> str:
+        """The outbox tables' DDL for ``dialect``."""
+        return ddl(dialect, self.table)
+
+    def _failed(self, exc: DBAPIError) -> Exception:
+        return translate_db_error(exc, f"outbox add to {self.table}")
+
+
+class Outbox(OutboxBase):
+    """Outgoing messages kept in ``store``'s database until a relay publishes them.
+
+    ``store``: an :class:`~idemq.SqlStore` (its engine is used). ``clock``: epoch ms.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        table: str = DEFAULT_TABLE,
+        clock: Callable[[], int] = system_clock_ms,
+    ) -> None:
+        super().__init__(table, clock)
+        engine = getattr(store, "engine", None)
+        if not isinstance(engine, Engine):
+            raise ConfigurationError("Outbox needs a SqlStore (use AsyncOutbox for AsyncSqlStore)")
+        self.store = store
+        self.engine = engine
+        self.where = f"{engine.url.render_as_string(hide_password=True)} table {self.table}"
+
+    def __repr__(self) -> str:
+        return f"Outbox({self.where!r})"
+
+    def create_schema(self) -> None:
+        """Create the outbox tables and indexes that are missing (safe to call twice)."""
+        try:
+            with self.engine.begin() as conn:
+                adopt_or_create(conn, self.table)
+        except DBAPIError as exc:
+            raise translate_db_error(exc, f"create outbox {self.table}") from exc
+
+    def drop_schema(self) -> None:
+        """Drop both outbox tables (tests, teardown)."""
+        try:
+            with self.engine.begin() as conn:
+                for table in tables_for(conn.dialect, self.table):
+                    table.drop(conn, checkfirst=True)
+        except DBAPIError as exc:
+            raise translate_db_error(exc, f"drop outbox {self.table}") from exc
+
+    def add(
+        self,
+        conn_or_session: Connection | Session,
+        destination: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        """Write one outgoing message in the transaction of ``conn_or_session``; its id.
+
+        The row commits or rolls back with that transaction: nothing is published for a change
+        that rolled back, nothing is lost for one that committed. Inside a guarded handler the
+        id is derived from the incoming message (the same on a rerun). One round trip.
+        """
+        conn = _sync_connection(conn_or_session)
+        plan = add_plan(
+            self.statements(conn.dialect), destination, body, headers, ordering_key, self.clock()
+        )
+        try:
+            return drive(plan, lambda step: conn.execute(*step))
+        except DBAPIError as exc:
+            raise self._failed(exc) from exc
+
+
+class AsyncOutbox(OutboxBase):
+    """The asyncio twin of :class:`Outbox` (``store``: an :class:`~idemq.AsyncSqlStore`).
+
+    It has no relay of its own: run :class:`~idemq.OutboxRelay` (``idemq relay``) on the same
+    database.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        table: str = DEFAULT_TABLE,
+        clock: Callable[[], int] = system_clock_ms,
+    ) -> None:
+        super().__init__(table, clock)
+        engine = getattr(store, "engine", None)
+        if engine is None:
+            raise ConfigurationError("AsyncOutbox needs an AsyncSqlStore")
+        self.store = store
+        self.engine = engine
+
+    async def create_schema(self) -> None:
+        """Create the outbox tables and indexes that are missing (safe to call twice)."""
+        try:
+            async with self.engine.begin() as conn:
+                await conn.run_sync(lambda sync: adopt_or_create(sync, self.table))
+        except DBAPIError as exc:
+            raise translate_db_error(exc, f"create outbox {self.table}") from exc
+
+    async def add(
+        self,
+        conn_or_session: AsyncConnection | AsyncSession,
+        destination: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        """:meth:`Outbox.add` on an ``AsyncConnection`` or ``AsyncSession``, awaited."""
+        if isinstance(conn_or_session, AsyncSession):
+            conn = await conn_or_session.connection()
+        elif isinstance(conn_or_session, AsyncConnection):
+            conn = conn_or_session
+        else:
+            raise ConfigurationError(
+                f"add needs an AsyncConnection or AsyncSession, got {type(conn_or_session)}"
+            )
+        plan = add_plan(
+            self.statements(conn.dialect), destination, body, headers, ordering_key, self.clock()
+        )
+
+        async def execute(step: Step) -> Any:
+            return await conn.execute(*step)
+
+        try:
+            return await adrive(plan, execute)
+        except DBAPIError as exc:
+            raise self._failed(exc) from exc
+
+
+def _sync_connection(conn_or_session: Any) -> Connection:
+    if isinstance(conn_or_session, Session):
+        return conn_or_session.connection()
+    if isinstance(conn_or_session, Connection):
+        return conn_or_session
+    if conn_or_session is None:
+        raise ConfigurationError(
+            "outbox.add needs the transaction's Connection or Session (a Redis store has none:"
+            " the outbox lives in a SQL database)"
+        )
+    raise ConfigurationError(
+        f"outbox.add needs an SQLAlchemy Connection or Session, got {type(conn_or_session)}"
+    )
