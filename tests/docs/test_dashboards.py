@@ -1,7 +1,8 @@
 """docs/ops/alerts.yml and docs/ops/grafana-idemq.json name only metrics idemq exports.
 
-The exported names are read from a real registry holding a ``PrometheusObserver`` and a
-``StoreCollector`` on a real store, so a metric renamed in code fails here.
+The exported names are read from a real registry holding a ``PrometheusObserver``, a
+``StoreCollector`` and an ``OutboxCollector`` on a real store, so a metric renamed in code fails
+here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 import idemq
-from idemq.observe.prometheus import PrometheusObserver, StoreCollector
+from idemq.observe.prometheus import OutboxCollector, PrometheusObserver, StoreCollector
 from tests.conftest import CI
 
 OPS = Path(__file__).resolve().parents[2] / "docs" / "ops"
@@ -35,6 +36,9 @@ def exported_names(tmp_path: Path) -> set[str]:
     registry = prometheus_client.CollectorRegistry()
     observer = PrometheusObserver(registry, store_label="sqlite/message_idempotent")
     registry.register(StoreCollector(store))
+    outbox = idemq.Outbox(store)
+    outbox.create_schema()
+    registry.register(OutboxCollector(outbox))
     guard = idemq.Idempotency(store, consumer="dash", observer=observer)
     guard.process("MSG-1", lambda tx: None)
     guard.process("MSG-1", lambda tx: None)
