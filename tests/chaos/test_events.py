@@ -56,6 +56,9 @@ def test_each_cause_is_named_from_what_happened(tmp_path: Path) -> None:
     assert (causes["partition"], causes["slow"], causes["crash"], causes["other"]) == (1, 1, 1, 0)
     assert causes["retry"] == 1
     assert tally.verdicts()["duplicate"] == 2
+    # m1's retried copy and m2's slow one were answered DUPLICATE; m3's crash copy did the work.
+    suppressed = tally.suppressed_by_cause()
+    assert dict(suppressed) == {"partition": 1, "slow": 1, "crash": 0, "other": 0}
     timeline = tally.timeline(0.0, 1.0)
     assert sum(p["deliveries"] for p in timeline) == 8
     assert sum(p["kills"] for p in timeline) == 1

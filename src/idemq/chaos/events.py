@@ -158,6 +158,17 @@ class Tally:
             return "slow"
         return "other"
 
+    def suppressed_by_cause(self) -> Counter[str]:
+        """Duplicate deliveries the guard answered DUPLICATE, by cause (after :meth:`attribute`):
+        a duplicate delivered need not be one suppressed — a copy that met a live claim is
+        answered IN_PROGRESS and comes back, and the first copy of a killed worker leaves no
+        record, so a later copy does the work."""
+        counts: Counter[str] = Counter({cause: 0 for cause in CAUSES})
+        for d in self.deliveries:
+            if d.verdict == "duplicate" and d.cause in CAUSES:
+                counts[d.cause] += 1
+        return counts
+
     def verdicts(self) -> Counter[str]:
         """Settled deliveries by the guard's verdict (``duplicate`` = suppressed)."""
         return Counter(d.verdict for d in self.deliveries if d.verdict is not None)

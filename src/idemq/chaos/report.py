@@ -140,32 +140,48 @@ def _timeline_panel(series: _Series, values: Sequence[int], bucket_s: float) -> 
 
 
 def _causes_panel(result: ChaosResult) -> str:
-    """Duplicate deliveries by cause, one horizontal bar each, on the panel's own scale."""
-    causes = [(k, result.causes.get(k, 0)) for k in _CAUSE_LABELS]
-    top = _nice_top(max((n for _, n in causes), default=0))
+    """Per cause, the duplicate deliveries and (below each) those the guard answered DUPLICATE,
+    one horizontal bar each, on the panel's own scale."""
+    causes = [
+        (k, result.causes.get(k, 0), result.suppressed_causes.get(k, 0)) for k in _CAUSE_LABELS
+    ]
+    top = _nice_top(max((n for _, n, _ in causes), default=0))
     label_w, bar_left = 170, 178
     bar_w = _W - bar_left - 40
     row_h = (_H - _TOP - 10) / len(causes)
-    title = f"Duplicate deliveries by cause: {result.duplicates_delivered}"
+    title = (
+        f"Duplicate deliveries by cause: {result.duplicates_delivered} "
+        f"(the lighter bar: answered DUPLICATE)"
+    )
     body = [f'<text x="{_LEFT}" y="18" class="ptitle">{html.escape(title)}</text>']
-    body.append('<g data-series="causes" fill="#f28e2b">')
-    for i, (key, count) in enumerate(causes):
+    delivered_bars: list[str] = []
+    suppressed_bars: list[str] = []
+    for i, (key, count, suppressed) in enumerate(causes):
         mid = _TOP + (i + 0.5) * row_h
         body.append(
             f'<text x="{label_w}" y="{mid + 4:.1f}" class="tick" text-anchor="end">'
             f"{html.escape(_CAUSE_LABELS[key])}</text>"
         )
-        if count:
-            body.append(
-                f'<rect x="{bar_left}" y="{mid - row_h * 0.3:.1f}" '
-                f'width="{bar_w * count / top:.1f}" height="{row_h * 0.6:.1f}">'
-                f"<title>{count} from {key}</title></rect>"
-            )
+        for bars, value, y0, what in (
+            (delivered_bars, count, mid - row_h * 0.32, "delivered"),
+            (suppressed_bars, suppressed, mid + row_h * 0.02, "answered DUPLICATE"),
+        ):
+            if value:
+                bars.append(
+                    f'<rect x="{bar_left}" y="{y0:.1f}" width="{bar_w * value / top:.1f}" '
+                    f'height="{row_h * 0.3:.1f}"><title>{value} {what}, from {key}</title></rect>'
+                )
         body.append(
             f'<text x="{bar_left + bar_w * count / top + 4:.1f}" y="{mid + 4:.1f}" '
-            f'class="tick">{count}</text>'
+            f'class="tick">{count} / {suppressed}</text>'
         )
+    body.append('<g data-series="causes" fill="#f28e2b">')
+    body += delivered_bars
     body.append("</g>")
+    if suppressed_bars:  # an empty series has nothing to show in the browser
+        body.append('<g data-series="suppressed-causes" fill="#59a14f">')
+        body += suppressed_bars
+        body.append("</g>")
     return _svg(title, body, "causes")
 
 

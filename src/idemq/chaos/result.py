@@ -47,6 +47,7 @@ class ChaosResult:
     owed_cents: int = 0  # what the produced orders cost: equal when nothing is double-applied
     crashes: int = 0
     causes: dict[str, int] = field(default_factory=dict)
+    suppressed_causes: dict[str, int] = field(default_factory=dict)  # answered DUPLICATE, by cause
     injected: dict[str, int] = field(default_factory=dict)
     verdicts: dict[str, int] = field(default_factory=dict)
     invariant_violations: dict[str, int] = field(default_factory=dict)

@@ -334,6 +334,8 @@ class _Run:
         r.retries = causes["retry"]
         r.verdicts = dict(tally.verdicts())
         r.duplicates_suppressed = r.verdicts.get("duplicate", 0)
+        suppressed = tally.suppressed_by_cause()
+        r.suppressed_causes = {cause: suppressed[cause] for cause in CAUSES}
         r.crashes = killed
         r.injected = {
             "partitions": self.partitions,
