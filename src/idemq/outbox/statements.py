@@ -57,6 +57,10 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
     t, dead = quote(table), quote(f"{table}_dead")
     name = dialect.name
     pick = _PICK.format(t=t)
+    # Every picked row has sent_ms NULL, so both are seq order. PostgreSQL does not take
+    # ``sent_ms IS NULL`` as fixing the index's first column; spelled as ix_pending's columns,
+    # its index scan delivers rows in order and the LIMIT stops it: a backlog is never sorted.
+    order = "ORDER BY o.sent_ms, o.seq" if name == "postgresql" else "ORDER BY o.seq"
     channel = ""
     if name == "postgresql":
         channel = table
@@ -84,14 +88,13 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         claim = text(
             f"UPDATE {t} SET lease_owner = :owner, lease_until_ms = :until_ms WHERE id IN"
             f" (SELECT o.id FROM {t} o WHERE {pick} AND (o.lease_until_ms IS NULL OR"
-            " o.lease_until_ms < :now_ms) ORDER BY o.seq LIMIT :limit)"
+            f" o.lease_until_ms < :now_ms) {order} LIMIT :limit)"
             " RETURNING id, seq, destination, body, headers, ordering_key, attempts"
         )
         mine = " AND lease_owner = :owner"
     else:
         claim = text(
-            f"SELECT {returned} FROM {t} o WHERE {pick} ORDER BY o.seq LIMIT :limit"
-            " FOR UPDATE SKIP LOCKED"
+            f"SELECT {returned} FROM {t} o WHERE {pick} {order} LIMIT :limit FOR UPDATE SKIP LOCKED"
         )
         mine = ""
     if name in ("mysql", "mariadb"):
