@@ -15,6 +15,7 @@ What differs per dialect (the claim, above all) is in :mod:`idemq.stores.sql.dia
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -124,7 +125,7 @@ def row_record(row: Row[Any]) -> Record:
 
 
 def record_json(table: Table, json_array: Any) -> Label[Any]:
-    """The record but its key as ONE JSON array column, built by the dialect's ``json_array``
+    """The record, less its key, as ONE JSON array column, built by the dialect's ``json_array``
     function (``func.json_build_array`` on PostgreSQL, ``func.json_array`` on MySQL); read back
     by :func:`json_record`.
 
@@ -198,8 +199,9 @@ def key_params(key: Key) -> dict[str, Any]:
     return {"b_consumer": key.consumer, "b_message_id": key.message_id}
 
 
-class SqlPlans:
-    """The plans of one store's table; a dialect subclass supplies the claim and its insert.
+class SqlPlans(ABC):
+    """The plans of one store's table; a dialect subclass supplies the claim, its insert and the
+    size lookup.
 
     Every statement is built here once, so SQLAlchemy compiles each once per dialect and finds it
     in its compiled cache afterwards.
@@ -281,18 +283,17 @@ class SqlPlans:
 
     # -- what a dialect supplies -------------------------------------------------------------
 
+    @abstractmethod
     def insert_ignore(self, rows: list[dict[str, Any]]) -> Insert:
         """``INSERT`` of ``rows`` that skips a row whose key exists (in this dialect's words)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:
         """Insert the record, take over an expired lease (lease mode), or hand back the record."""
-        raise NotImplementedError
 
+    @abstractmethod
     def size(self) -> Plan[tuple[int | None, str]]:
         """``(bytes or None, how)``: the table's size as the database reports it."""
-        yield from ()  # a plan with no statement: no size function known for this dialect
-        return None, "unknown on this database"
 
     # -- claims ------------------------------------------------------------------------------
 
