@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -40,6 +41,8 @@ from idemq.errors import BrokerUnavailableError
 
 __all__ = ["RabbitMQBroker"]
 
+log = logging.getLogger("idemq.brokers")
+
 # ChannelInvalidStateError (a RuntimeError): an operation on a channel the broker closed, e.g.
 # a late ack after RabbitMQ's consumer_timeout.
 _DRIVER_ERRORS = (
@@ -48,6 +51,25 @@ _DRIVER_ERRORS = (
     OSError,
     asyncio.TimeoutError,
 )
+
+
+AMQP_MESSAGE_ID_MAX_BYTES = 255  # message-id is an AMQP short string
+
+
+def _amqp_message_id(message_id: str | None) -> str | None:
+    """``message_id`` for the AMQP property, or None when it does not fit one.
+
+    A legal idemq id can be longer than 255 bytes in UTF-8 (100 emoji), and a header can carry an
+    id of any length; aio-pika refuses such a property with a TypeError, which would leave the
+    delivery unsettled and, with a small prefetch, stop the queue. The id still travels in the
+    ``idemq-message-id`` header, which has no such limit.
+    """
+    if (
+        message_id is None
+        or len(message_id.encode("utf-8", "surrogatepass")) > AMQP_MESSAGE_ID_MAX_BYTES
+    ):
+        return None
+    return message_id
 
 
 def _text(value: Any) -> str:
@@ -129,7 +151,7 @@ class RabbitMQBroker:
         message = aio_pika.Message(
             body,
             headers=all_headers,
-            message_id=message_id,
+            message_id=_amqp_message_id(message_id),
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         self._call(
@@ -213,7 +235,7 @@ class RabbitMQBroker:
         message = aio_pika.Message(
             body,
             headers=dict(headers),
-            message_id=message_id,
+            message_id=_amqp_message_id(message_id),
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         await self._channel.default_exchange.publish(
@@ -256,7 +278,14 @@ class RabbitMQDelivery(Delivery):
 
         async def move() -> None:
             # Publish (confirmed) before ack: a crash in between duplicates, never loses.
-            await self._broker.publish_dead_letter(self.queue, self.body, headers, message_id)
+            try:
+                await self._broker.publish_dead_letter(self.queue, self.body, headers, message_id)
+            except Exception:
+                # Never left unsettled (it would hold a prefetch slot for good): back to the
+                # queue, to be dead-lettered again, and the failure in the log.
+                log.exception("dead-lettering %s failed; requeued", self.describe())
+                await self._message.nack(requeue=True)
+                return
             await self._message.ack()
 
         self._broker.settle(move())

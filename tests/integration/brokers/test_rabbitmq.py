@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
 
-from idemq.brokers.base import Delivery
-from tests.conftest import require_service
+from idemq.brokers import open_broker
+from idemq.brokers.base import DEAD_LETTER_REASON_HEADER, Broker, Delivery
+from idemq.message import MESSAGE_ID_HEADER
+from idemq.worker.loop import Worker
+from tests.conftest import require_service, unique
+from tests.contract.brokers import FAST, Business, Running, wait_for
 from tests.contract.brokers_queued_acks import QueuedAckContract
 
 pytestmark = pytest.mark.rabbitmq
@@ -26,3 +31,38 @@ class TestRabbitMQ(QueuedAckContract):
     def break_connection(self, broker: Any, delivery: Delivery) -> None:
         # Close the consumer channel: RabbitMQ requeues its unacked messages, acks then fail.
         broker.settle(delivery._message.channel.close())  # type: ignore[attr-defined]
+
+    def test_ids_too_long_for_amqp_are_dead_lettered_and_the_queue_goes_on(
+        self, broker_url: str, queue: str, business: Business, publisher: Broker
+    ) -> None:
+        # AMQP's message-id property holds at most 255 bytes. A 10 KB id in the idemq header
+        # (invalid: over 128 characters) and a legal 100-emoji id (400 bytes) whose payload
+        # differs from its first copy's must both be dead-lettered, with prefetch 1, so the
+        # messages behind them are applied: a delivery that fails to dead-letter would hold
+        # the only prefetch slot for good.
+        emoji = "\U0001f600" * 100
+        good = [f"G{i}_{queue}" for i in range(3)]
+        worker = Worker(
+            business.handler,
+            open_broker(broker_url),
+            self.guard(business.url, unique("c")),
+            queue,
+            prefetch=1,
+            policy=FAST,
+        )
+        running = Running(worker)
+        publisher.publish(queue, b'{"n": 1}', headers={MESSAGE_ID_HEADER: "H" * 10_000})
+        publisher.publish(queue, b'{"n": 2}', message_id=emoji)
+        publisher.publish(queue, b'{"n": 3}', message_id=emoji)  # same id, another payload
+        for message_id in good:
+            publisher.publish(queue, b'{"n": 4}', message_id=message_id)
+        wait_for(lambda: set(good) <= set(business.counts()), 30, "the messages behind them")
+        dead = self.read_dead_letters(broker_url, queue, expected=2)
+        running.stop()
+        reasons = sorted(headers.get(DEAD_LETTER_REASON_HEADER, "") for _, headers in dead)
+        assert len(reasons) == 2, reasons
+        assert reasons[0].startswith("invalid_message: InvalidMessageIdError"), reasons
+        assert reasons[1].startswith("payload_mismatch"), reasons
+        for _, headers in dead:  # the original id is kept, in the header
+            assert headers[MESSAGE_ID_HEADER] in ("H" * 10_000, emoji)
+        assert business.counts() == Counter({emoji: 1, **{m: 1 for m in good}})
