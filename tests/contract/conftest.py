@@ -52,8 +52,7 @@ def make_store(kind: str, tmp_path: Path) -> Any:
         return idemq.MemoryStore()
     if kind == "redis":
         require_service("redis")
-        redis_store = pytest.importorskip("idemq.stores.redis")
-        return redis_store.RedisStore(REDIS_URL, prefix=unique("idemqtest"), ttl_s=600)
+        return idemq.RedisStore(REDIS_URL, prefix=unique("idemqtest"), ttl_s=600)
     store = make_sql_store(kind, tmp_path)
     store.create_schema()
     return store

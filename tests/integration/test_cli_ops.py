@@ -191,3 +191,16 @@ def test_forget_lets_a_message_run_again_and_refuses_a_live_lease(
     assert code == cli.EXIT_OK
     code, _ = run(capsys, "forget", "NOPE", "--consumer", "orders", *target.args)
     assert code == cli.EXIT_NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    "table", ["x; DROP TABLE important; --", "a b", "", "t" * 51, "tä", 'q"uote']
+)
+def test_schema_refuses_a_table_name_that_is_not_an_identifier(
+    table: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = run(capsys, "schema", "--dialect", "postgresql", "--table", table)
+    assert code == cli.EXIT_USAGE
+    assert out == ""  # no DDL printed for it
+    with pytest.raises(idemq.ConfigurationError):
+        idemq.SqlStore("sqlite://", table=table)

@@ -43,6 +43,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from idemq.errors import ConfigurationError
+from idemq.stores.sql.schema import check_table_name as check_name
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -92,10 +93,8 @@ def _mysql_column(element: CreateColumn, compiler: Any, **kw: Any) -> str:
 
 
 def check_table_name(table: str) -> str:
-    """``table`` if it is letters, digits and ``_`` (it is spliced into SQL), else raise."""
-    if not table or not table.replace("_", "").isalnum() or len(table) > 50:
-        raise ConfigurationError(f"outbox table name must be letters, digits and '_': {table!r}")
-    return table
+    """``table`` if it can name an outbox table (the rule of the dedup table's name)."""
+    return check_name(table, "outbox table name")
 
 
 def _key(length: int, flavor: str | None) -> Any:

@@ -32,6 +32,8 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator
 
+from idemq.errors import ConfigurationError
+
 __all__ = ["DEFAULT_TABLE", "UtcDateTime", "as_utc", "build_table", "collation_for", "ddl"]
 
 DEFAULT_TABLE = "message_idempotent"
@@ -95,6 +97,27 @@ def _key(length: int, collation: str | None) -> Any:
     )
 
 
+def check_table_name(name: object, what: str = "table name") -> str:
+    """``name`` if it is letters, digits and ``_`` (at most 50: PostgreSQL keeps 63 bytes of a
+    name, and idemq derives index and dead-table names from it), else ConfigurationError.
+
+    A table name is spliced into DDL and statements: a name like ``x; DROP TABLE t; --`` is
+    refused here, for every entry point alike, rather than quoted somewhere and not elsewhere.
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > MAX_TABLE_NAME_CHARS
+        or not name.replace("_", "").isalnum()
+        or not name.isascii()
+    ):
+        raise ConfigurationError(f"{what} must be letters, digits and '_' (1-50): {name!r}")
+    return name
+
+
+MAX_TABLE_NAME_CHARS = 50
+
+
 def build_table(
     name: str = DEFAULT_TABLE,
     *,
@@ -104,7 +127,7 @@ def build_table(
 ) -> Table:
     """The dedup table: the seed's columns plus consumer scope, payload hash, result and lease."""
     return Table(
-        name,
+        check_table_name(name),
         metadata or MetaData(),
         Column("consumer", _key(128, mysql_collation), primary_key=True),
         Column("message_id", _key(128, mysql_collation), primary_key=True),

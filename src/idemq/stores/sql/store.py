@@ -61,8 +61,6 @@ class SqlStoreBase:
     """What the sync and async stores share: URL, table, plans, schema, safe repr."""
 
     def __init__(self, url: URL, table: str, schema: str | None, mysql_flavor: str | None) -> None:
-        if not table.replace("_", "").isalnum():
-            raise ConfigurationError(f"table name must be letters, digits and '_': {table!r}")
         self.table = build_table(table, schema=schema)
         self.url = url
         self._mysql_flavor = mysql_flavor
