@@ -88,3 +88,38 @@ def test_no_guard_exits_1_with_double_effects(tmp_path: Path) -> None:
     assert isinstance(result["double_applied"], int)
     assert result["double_applied"] > 0
     assert result["lost"] == 0
+
+
+def test_a_run_cut_short_by_its_time_limit_is_unfinished_not_lost(tmp_path: Path) -> None:
+    proc = idemq(
+        "chaos",
+        "--broker", f"embedded:///{tmp_path / 'queue.db'}",
+        "--store", f"sqlite:///{tmp_path / 'ledger.db'}",
+        "--messages", "5000",
+        "--workers", "1",
+        "--kill-every", "0",
+        "--slow-rate", "0",
+        "--partition-rate", "0",
+        "--timeout", "3",
+        "--json",
+    )  # fmt: skip
+    result = last_json(proc)
+    assert proc.returncode == 1, result  # not a pass: the run proved nothing about the rest
+    assert result["lost"] == 0  # `lost` means lost, and nothing was
+    assert isinstance(result["unfinished"], int)
+    assert result["unfinished"] > 0
+    assert result["unfinished"] == result["produced"] - result["applied"]  # type: ignore[operator]
+    assert result["ok"] is False
+
+
+def test_a_refused_run_still_ends_with_one_json_line(tmp_path: Path) -> None:
+    proc = idemq(
+        "chaos",
+        "--broker", "mqtt://127.0.0.1:1883",
+        "--store", f"sqlite:///{tmp_path / 'ledger.db'}",
+        "--json",
+    )  # fmt: skip
+    result = last_json(proc)
+    assert proc.returncode == 2, (result, proc.stderr)
+    assert result["ok"] is False
+    assert "error" in result

@@ -58,6 +58,7 @@ def render_result(result: ChaosResult, console: Console) -> None:
         ("duplicates suppressed by idemq", result.duplicates_suppressed),
         ("applied", result.applied),
         ("lost", result.lost),
+        ("unfinished (time limit reached)", result.unfinished),
         ("double-applied", result.double_applied),
         ("workers killed", result.crashes),
         ("throughput (applied/s)", result.throughput_per_s),
@@ -75,5 +76,5 @@ def render_result(result: ChaosResult, console: Console) -> None:
     else:
         console.print(
             f"[bold red]✗ {result.lost} lost, {result.double_applied} applied more than "
-            f"once[/bold red] ({result.seconds:.1f} s)"
+            f"once, {result.unfinished} unfinished[/bold red] ({result.seconds:.1f} s)"
         )

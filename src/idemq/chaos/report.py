@@ -194,6 +194,13 @@ def _invariants(result: ChaosResult) -> list[tuple[str, str, bool]]:
             result.lost == 0,
         ),
         (
+            "the run finished",
+            "within its time limit"
+            if not result.unfinished
+            else f"stopped by its time limit with {result.unfinished} not applied yet",
+            result.unfinished == 0,
+        ),
+        (
             "no message applied twice",
             f"{result.double_applied} applied more than once",
             result.double_applied == 0,
@@ -226,7 +233,9 @@ def _verdict(result: ChaosResult) -> str:
     if result.ok:
         headline = "✓ every message applied exactly once"
     else:
-        headline = f"✗ {result.lost} lost, {result.double_applied} applied more than once"
+        headline = f"✗ {result.lost} lost, {result.double_applied} applied more than once" + (
+            f", {result.unfinished} unfinished (time limit)" if result.unfinished else ""
+        )
     guard = "idemq" if result.guard else "none (--no-guard)"
     summary = (
         f"{result.produced} messages, {result.delivered} deliveries "

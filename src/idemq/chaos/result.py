@@ -25,8 +25,10 @@ class ChaosResult:
     """Everything ``idemq chaos`` reports; ``ok`` is the invariant verdict.
 
     ``produced`` counts distinct messages, ``delivered`` every delivery (duplicates included),
-    ``applied`` distinct messages with their effect in the ledger, ``lost`` = produced - applied,
-    ``double_applied`` messages whose effect landed more than once, ``crashes`` workers killed.
+    ``applied`` distinct messages with their effect in the ledger, ``lost`` = produced - applied
+    on a run that finished, ``unfinished`` the same on a run its time limit cut short (those may
+    still be queued: not lost, not proven either), ``double_applied`` messages whose effect
+    landed more than once, ``crashes`` workers killed.
     """
 
     broker: str
@@ -41,6 +43,7 @@ class ChaosResult:
     retries: int = 0
     applied: int = 0
     lost: int = 0
+    unfinished: int = 0  # not applied when the run hit its time limit: still queued, not lost
     double_applied: int = 0
     extra_effects: int = 0  # ledger rows beyond one per message
     debited_cents: int = 0  # what the ledger took from the accounts
@@ -60,8 +63,9 @@ class ChaosResult:
 
     @property
     def ok(self) -> bool:
-        """The invariant: no message lost, none applied twice."""
-        return self.lost == 0 and self.double_applied == 0
+        """The invariant: no message lost, none applied twice — on a run that finished (one cut
+        short by its time limit proves neither)."""
+        return self.lost == 0 and self.double_applied == 0 and self.unfinished == 0
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object (shared/DESIGN.md), the timeline left out."""

@@ -357,7 +357,10 @@ class _Run:
             ).all()
         effects = {str(message_id): int(n) for message_id, n in rows}
         r.applied = len(effects)
-        r.lost = max(r.produced - r.applied, 0)
+        missing = max(r.produced - r.applied, 0)
+        # A run cut short by its time limit may still have every missing message queued: those
+        # are unfinished, and `lost` stays what it says (gone from a run that finished).
+        r.unfinished, r.lost = (missing, 0) if r.timed_out else (0, missing)
         r.double_applied = sum(1 for n in effects.values() if n > 1)
         r.extra_effects = sum(n - 1 for n in effects.values())
         report = check_invariants(engine, self.tables)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.prompt import Confirm
 from rich.table import Table
 
+from idemq.errors import IdemqError
 from idemq.stores import admin
 from idemq.stores.admin import record_dict
 from idemq.stores.base import ForgetResult
@@ -117,7 +118,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         tune_broker=args.tune_broker,
     )
     if args.json:
-        result = run_chaos(config)
+        try:
+            result = run_chaos(config)
+        except IdemqError as error:
+            # --json promises one JSON object on the last line, a refused run included.
+            print(json.dumps({"ok": False, "error": f"{type(error).__name__}: {error}"}))
+            raise
     else:
         result = run_with_progress(config, console)
         render_result(result, console)
