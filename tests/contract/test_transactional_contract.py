@@ -205,3 +205,14 @@ def test_a_result_with_a_lone_surrogate_commits_and_replays_exactly(sql_store):
     result = {"note": "bad \udcff byte", "plain": "ü"}
     assert guard.process("M", lambda _tx: result).result == result
     assert guard.process("M", lambda _tx: "never").result == result
+
+
+@pytest.mark.parametrize("result", [0, False, "", [], {}, 0.0], ids=repr)
+def test_a_falsy_result_is_stored_in_the_dedup_transaction_and_replayed(sql_store, result):
+    # A "falsy means nothing to store" shortcut would replay None to every duplicate.
+    guard = idemq.Idempotency(sql_store, consumer="orders")
+    assert guard.process("M", lambda _tx: result).result == result
+    replayed = guard.process("M", lambda _tx: "never")
+    assert replayed.status is idemq.Status.DUPLICATE
+    assert replayed.result == result
+    assert type(replayed.result) is type(result)
