@@ -95,13 +95,18 @@ class PayloadMismatchError(IdemqError):
     """
 
     def __init__(self, message_id: str, stored_hash: str, given_hash: str) -> None:
-        super().__init__(
-            f"message id {message_id!r} was first seen with payload sha256 {stored_hash[:12]}…, "
-            f"now with {given_hash[:12]}…"
-        )
+        # The constructor's arguments are the exception's args, so it is rebuilt as itself
+        # wherever it travels: pickled (a process pool), or as type + args (Celery's results).
+        super().__init__(message_id, stored_hash, given_hash)
         self.message_id = message_id
         self.stored_hash = stored_hash
         self.given_hash = given_hash
+
+    def __str__(self) -> str:
+        return (
+            f"message id {self.message_id!r} was first seen with payload sha256 "
+            f"{self.stored_hash[:12]}…, now with {self.given_hash[:12]}…"
+        )
 
 
 class ConfigurationError(IdemqError):
@@ -160,6 +165,11 @@ class ClockMovedBackwardsError(IdemqError):
     """The wall clock moved backwards further than the generator's tolerance."""
 
     def __init__(self, last_ms: int, now_ms: int) -> None:
-        super().__init__(f"clock moved backwards by {last_ms - now_ms} ms (last id at {last_ms})")
+        super().__init__(last_ms, now_ms)  # rebuilt as itself (see PayloadMismatchError)
         self.last_ms = last_ms
         self.now_ms = now_ms
+
+    def __str__(self) -> str:
+        return (
+            f"clock moved backwards by {self.last_ms - self.now_ms} ms (last id at {self.last_ms})"
+        )

@@ -18,7 +18,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from idemq import Idempotency, SqlStore
+from idemq import Idempotency, PayloadMismatchError, SqlStore
 from idemq.integrations.celery import current_tx, idempotent_task
 from tests.conftest import require_service, unique
 
@@ -188,3 +188,23 @@ def test_in_progress_retries_until_the_holder_finishes(env: Env) -> None:
     assert result == "done by the holder", "the holder's stored result is replayed"
     assert env.calls == 0
     assert env.rows() == ["order-5"]
+
+
+def test_the_same_key_with_other_arguments_is_refused_not_replayed(env: Env) -> None:
+    # A key reused for another payment must not be answered with the first payment's result.
+    guard = Idempotency(env.store, consumer=unique("pay"))
+
+    @idempotent_task(env.app, guard, key="order_id", name=unique("pay"))
+    def pay(order_id: str, amount: int, tx: Any = None) -> dict[str, Any]:
+        env.calls += 1
+        env.insert(tx, order_id)
+        return {"paid": order_id, "amount": amount}
+
+    with start_worker(env.app, pool="solo", perform_ping_check=False):
+        first = pay.delay("order-9", 10).get(timeout=RESULT_TIMEOUT_S)
+        with pytest.raises(PayloadMismatchError):
+            pay.delay("order-9", 99).get(timeout=RESULT_TIMEOUT_S)
+
+    assert first == {"paid": "order-9", "amount": 10}
+    assert env.calls == 1
+    assert env.rows() == ["order-9"]
