@@ -252,6 +252,30 @@ class FastStreamContract(abc.ABC):
         assert await db.rows() == Counter({good: 1})
         assert await db.store.get(good, consumer=name) is not None, "keyed by key(body)"
 
+    async def test_an_id_reused_with_another_body_is_dead_lettered_not_replayed(
+        self, db: Db, name: str
+    ) -> None:
+        # The second message shares the first one's id but not its body: answering it with the
+        # first one's result would drop its effect silently. It is a producer bug: dead letter.
+        first, second, after = unique("first"), unique("second"), unique("after")
+        dead: list[str] = []
+
+        async def on_dead_letter(msg: Any, reason: str, headers: dict[str, str]) -> None:
+            dead.append(reason)
+
+        async def body(broker: Any, deliveries: Deliveries) -> None:
+            await self.publish(broker, name, {"order_id": first}, f"msg-{first}")
+            await wait_until(lambda: _true(db.calls[first] == 1), "the first message")
+            await self.publish(broker, name, {"order_id": second}, f"msg-{first}")
+            await self.publish(broker, name, {"order_id": after}, f"msg-{after}")
+            await wait_until(lambda: _true(len(dead) == 1 and db.calls[after] == 1), "dead letter")
+            await asyncio.sleep(0.3)
+
+        await self.run(db, name, body, on_dead_letter=on_dead_letter)
+        assert dead[0].startswith("payload_mismatch"), dead
+        assert await db.rows() == Counter({first: 1, after: 1})
+        assert db.calls[second] == 0
+
     async def test_message_without_id_is_dead_lettered(self, db: Db, name: str) -> None:
         if not self.can_publish_without_id:
             pytest.skip("this broker's client gives every message an id")
