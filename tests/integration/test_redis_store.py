@@ -395,8 +395,9 @@ def test_conflict_reply_carries_every_field_and_a_result_with_separators(
 
 
 def test_a_result_with_a_lone_surrogate_round_trips(store: RedisStore, client: redis.Redis) -> None:
-    # JSON text from the guard may hold a lone surrogate, which redis-py's strict encoder
-    # refuses: the store encodes the result itself (surrogatepass) and reads it back so.
+    # Through the guard a lone surrogate is stored as JSON's own escape (every store can keep
+    # that); a caller of the store itself may still hand it raw text holding one, which
+    # redis-py's strict encoder would refuse: the store encodes it itself (surrogatepass).
     guard = idemq.Idempotency(store, consumer=C, mode="lease", lease_s=5)
     first = guard.process("m1", lambda tx: "lone \udcff surrogate")
     again = guard.process("m1", lambda tx: "not run")
@@ -404,7 +405,12 @@ def test_a_result_with_a_lone_surrogate_round_trips(store: RedisStore, client: r
     assert again.result == "lone \udcff surrogate"
     stored = client.get(store._layout.key(Key(C, "m1")))
     assert stored is not None
-    assert stored.endswith('"lone \udcff surrogate"'.encode("utf-8", "surrogatepass"))
+    assert stored.endswith(b'"lone \\udcff surrogate"')
+    assert store.claim(req("m2", "A")).acquired
+    store.complete(Key(C, "m2"), "A", '"raw \udcff"', 1)
+    record = store.get("m2", C)
+    assert record is not None
+    assert record.result == '"raw \udcff"'
 
 
 def test_nul_in_owner_or_business_id_is_refused_before_writing(store: RedisStore) -> None:
