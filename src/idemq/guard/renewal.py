@@ -85,16 +85,22 @@ def _renewed(kept: _Kept, held: bool | None, now: float) -> None:
 class LeaseKeeper:
     """Renews the claims of a sync guard's running handlers, from one thread of its own.
 
-    The thread starts with the first claim to keep and ends when none is left, so an idle guard
-    holds no thread.
+    The thread starts with the first claim to keep and ends once none was kept for
+    ``idle_exit_s``, so an idle guard holds no thread, and a guard handling one message after
+    another does not start a thread per message. Nobody wakes the thread: a new claim is never
+    due before the ones it already watches (they all renew every ``lease_s / 3``), and an idle
+    thread looks again every interval, which is before any new claim's first renewal is due.
     """
 
     renew: Renew
     clock: Clock
     monotonic: Callable[[], float] = time.monotonic
+    idle_exit_s: float = 10.0
     _kept: set[_Kept] = field(default_factory=set)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
+    _interval_s: float = 1.0
+    _idle_since: float = 0.0
 
     @contextmanager
     def keeping(self, terms: LeaseTerms, context: HandlerContext) -> Iterator[None]:
@@ -103,26 +109,30 @@ class LeaseKeeper:
         kept = _Kept(terms, context, now + terms.interval_s, now)
         with self._cond:
             self._kept.add(kept)
+            self._interval_s = terms.interval_s
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="idemq-lease-keeper", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
         try:
             yield
         finally:
             with self._cond:
                 self._kept.discard(kept)
-                self._cond.notify()
+                if not self._kept:
+                    self._idle_since = self.monotonic()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._kept:
-                    self._thread = None
-                    return
                 now = self.monotonic()
+                if not self._kept:
+                    if now - self._idle_since >= self.idle_exit_s:
+                        self._thread = None
+                        return
+                    self._cond.wait(self._interval_s)
+                    continue
                 due = [kept for kept in self._kept if kept.next_at <= now]
                 if not due:
                     self._cond.wait(min(kept.next_at for kept in self._kept) - now)
