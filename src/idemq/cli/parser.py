@@ -16,11 +16,7 @@ from datetime import timedelta
 from rich.logging import RichHandler
 
 from idemq.cli.commands import (
-    EXIT_ABORTED,
     EXIT_FAILED,
-    EXIT_NOT_FOUND,
-    EXIT_OK,
-    EXIT_REFUSED,
     EXIT_STORE,
     EXIT_USAGE,
     cmd_chaos,
@@ -40,16 +36,7 @@ from idemq.cli.commands import (
 from idemq.cli.outbox_commands import cmd_outbox_retry, cmd_relay
 from idemq.errors import ConfigurationError, IdemqError, InvalidInputError, StoreError
 
-__all__ = [
-    "EXIT_ABORTED",
-    "EXIT_FAILED",
-    "EXIT_NOT_FOUND",
-    "EXIT_OK",
-    "EXIT_REFUSED",
-    "EXIT_STORE",
-    "EXIT_USAGE",
-    "main",
-]
+__all__ = ["main"]
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
