@@ -17,10 +17,12 @@
  *   src/idemq/lock/scripts.py; the lease store has no renewal yet.
  *
  * Time. Nothing stores absolute times: `left` is lease_until minus the store's now, so the state
- * space stays finite. By default (the store-clock design of issue 21) the store sets and judges
- * expiry on its own clock. With -DWORKER_CLOCK it is the CURRENT code: each worker writes
- * lease_until = its now + L and judges `lease_until <= its now`, its clock off the store's by a
- * skew in [-S, S] chosen per worker. A request's now_ms is read before its claim round trip; that
+ * space stays finite. By default the store sets and judges expiry on its own clock: the code's
+ * lease_clock="store" (the default of SqlStore on PostgreSQL/MariaDB/MySQL and of RedisStore:
+ * statement_timestamp(), UTC_TIMESTAMP(6), TIME in src/idemq/stores/sql/dialects.py and
+ * src/idemq/stores/redis/scripts.py). With -DWORKER_CLOCK it is lease_clock="client" (and
+ * SQLite, MemoryStore): each worker writes lease_until = its now + L and judges
+ * `lease_until <= its now`, its clock off the store's by a skew in [-S, S] chosen per worker. A request's now_ms is read before its claim round trip; that
  * delay only makes the worker's clock look later-behind, so it is one more skew, not modelled.
  * `own_left` is what the owner was promised: L ticks since its grant or renewal. A tick that runs
  * out a LIVE owner's lease is a fault (the worker was paused, or its handler outran its renewal)
@@ -40,7 +42,7 @@
  * and every fault adds one grant, so the fence stays bounded.
  *
  * Configurations that must fail (the test checks SPIN finds each):
- *   -DWORKER_CLOCK      current code: a worker with a fast clock takes over a live lease
+ *   -DWORKER_CLOCK      lease_clock="client": a worker with a fast clock takes over a live lease
  *   -DRELEASE_DELETES   current code: RELEASE deletes the record, so a later fresh claim starts
  *                       attempts at 1 again; the fence repeats (the design keeps the counter)
  *   -DMUTANT_COMPLETE_WITHOUT_OWNER   complete without AND owner = :owner (issue 24)

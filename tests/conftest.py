@@ -9,9 +9,14 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.redis_cluster import RedisCluster
 
 CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -35,6 +40,13 @@ def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
             return True
     except OSError:
         return False
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it; released at once)."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def require_service(name: str) -> None:
@@ -100,3 +112,21 @@ def redis_cleanup(prefix: str) -> None:
             client.delete(*keys)
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A Redis Cluster of three masters and three replicas, started once for the session from
+    the machine's redis-server (skips locally without it, fails under CI=true)."""
+    from tests.redis_cluster import start_cluster  # noqa: PLC0415
+
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+def redis_cluster_cleanup(client: Any, prefix: str) -> None:
+    """:func:`redis_cleanup` on a Cluster, through a sync Cluster client: redis-py's scan_iter
+    visits every master; keys are deleted one by one (each is in a slot of its own)."""
+    for key in list(client.scan_iter(match=f"{prefix}*", count=1000)):
+        client.delete(key)

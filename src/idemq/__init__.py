@@ -37,6 +37,7 @@ from idemq.guard import AsyncIdempotency, Idempotency, Mode, Outcome, Status
 from idemq.ids import MessageIdGenerator, MessageIdParts, NodeLease, lease_node, parse_message_id
 from idemq.lock import AsyncRedisLock, RedisLock
 from idemq.message import Message
+from idemq.migrations import schema_metadata
 from idemq.observe import CompositeObserver, LoggingObserver, Observer
 from idemq.outbox import AsyncOutbox, Outbox, OutboxRelay
 from idemq.stores import open_store
@@ -96,6 +97,7 @@ __all__ = [
     "lease_node",
     "open_store",
     "parse_message_id",
+    "schema_metadata",
     "versioned_update",
     "versioned_update_async",
 ]

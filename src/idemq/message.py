@@ -19,7 +19,9 @@ class Message:
     """One delivery of a message.
 
     ``id`` is the dedup key (the broker's message id or the ``idemq-message-id`` header);
-    ``delivery_attempt`` counts deliveries of this message as far as the broker tells (1 = first).
+    ``delivery_attempt`` is idemq's attempt number: 1, plus one for every earlier delivery whose
+    handler ran and failed (redeliveries after a store outage, a crash or a lease held by a twin
+    do not count).
     """
 
     id: str

@@ -9,7 +9,16 @@ from typing import Any
 import pytest
 
 import idemq
-from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, redis_cleanup, require_service, unique
+from idemq.drivers.redis import is_cluster
+from tests.conftest import (
+    MYSQL_URL,
+    PG_URL,
+    REDIS_URL,
+    redis_cleanup,
+    redis_cluster_cleanup,
+    require_service,
+    unique,
+)
 
 
 class FakeClock:
@@ -31,29 +40,50 @@ def clock() -> FakeClock:
 
 
 SQL_STORES = ["sqlite", "postgres", "mariadb", "mysql-generic"]
-LEASE_STORES = ["memory", *SQL_STORES, "redis"]
+LEASE_STORES = ["memory", *SQL_STORES, "redis", "redis-cluster"]
 
 
-def make_sql_store(kind: str, tmp_path: Path) -> idemq.SqlStore:
+# The contract suite moves lease time with FakeClock, so its stores judge leases on the guard's
+# clock (lease_clock="client"); tests/contract/test_store_clock.py covers the servers' clocks.
+LEASE_CLOCK = "client"
+
+
+def make_sql_store(kind: str, tmp_path: Path, lease_clock: str = LEASE_CLOCK) -> idemq.SqlStore:
     if kind == "sqlite":
         return idemq.SqlStore(f"sqlite:///{tmp_path / 'idemq.db'}", table=unique("mi"))
     if kind == "postgres":
         require_service("postgres")
-        return idemq.SqlStore(PG_URL, table=unique("mi"))
+        return idemq.SqlStore(PG_URL, table=unique("mi"), lease_clock=lease_clock)
     require_service("mysql")
     # "mysql-generic" runs MySQL 8's plan (INSERT IGNORE + locking read) against MariaDB, so the
     # portable path is proven too, not only MariaDB's one-statement RETURNING claim.
     flavor = "mysql" if kind == "mysql-generic" else None
-    return idemq.SqlStore(MYSQL_URL, table=unique("mi"), mysql_flavor=flavor)
+    return idemq.SqlStore(
+        MYSQL_URL, table=unique("mi"), mysql_flavor=flavor, lease_clock=lease_clock
+    )
 
 
-def make_store(kind: str, tmp_path: Path) -> Any:
+def make_store(
+    kind: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest | None = None,
+    lease_clock: str = LEASE_CLOCK,
+) -> Any:
     if kind == "memory":
         return idemq.MemoryStore()
     if kind == "redis":
         require_service("redis")
-        return idemq.RedisStore(REDIS_URL, prefix=unique("idemqtest"), ttl_s=600)
-    store = make_sql_store(kind, tmp_path)
+        return idemq.RedisStore(
+            REDIS_URL, prefix=unique("idemqtest"), ttl_s=600, lease_clock=lease_clock
+        )
+    if kind == "redis-cluster":
+        # The session's own cluster (three masters, three replicas), through a ?cluster=true URL.
+        assert request is not None, "the redis-cluster store needs the test's request"
+        cluster = request.getfixturevalue("redis_cluster")
+        return idemq.RedisStore(
+            cluster.url, prefix=unique("idemqtest"), ttl_s=600, lease_clock=lease_clock
+        )
+    store = make_sql_store(kind, tmp_path, lease_clock)
     store.create_schema()
     return store
 
@@ -61,6 +91,8 @@ def make_store(kind: str, tmp_path: Path) -> Any:
 def dispose(store: Any) -> None:
     if isinstance(store, idemq.SqlStore):
         store.drop_schema()
+    elif isinstance(store, idemq.RedisStore) and is_cluster(store.client):
+        redis_cluster_cleanup(store.client, store.prefix)
     elif isinstance(store, idemq.RedisStore):
         redis_cleanup(store.prefix)
     store.close()
@@ -69,7 +101,7 @@ def dispose(store: Any) -> None:
 @pytest.fixture(params=LEASE_STORES)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     """Every store, for lease-mode contract tests."""
-    made = make_store(request.param, tmp_path)
+    made = make_store(request.param, tmp_path, request)
     yield made
     dispose(made)
 

@@ -13,24 +13,35 @@ import pytest
 import sqlalchemy as sa
 
 import idemq
+from idemq.drivers.redis import is_cluster
 from idemq.guard.codec import DataclassCodec
 from idemq.stores.base import ClaimRequest, Key
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, redis_cleanup, require_service, unique
-from tests.contract.conftest import FakeClock
+from tests.contract.conftest import LEASE_CLOCK, FakeClock
 
 ASYNC_SQL = ["sqlite", "postgres", "mariadb"]
 
 
-async def make_async_store(kind: str, tmp_path: Path) -> Any:
+async def make_async_store(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest | None = None
+) -> Any:
     if kind == "redis":
         require_service("redis")
-        return idemq.AsyncRedisStore(REDIS_URL, prefix=unique("idemqtest"), ttl_s=600)
+        return idemq.AsyncRedisStore(
+            REDIS_URL, prefix=unique("idemqtest"), ttl_s=600, lease_clock=LEASE_CLOCK
+        )
+    if kind == "redis-cluster":
+        assert request is not None, "the redis-cluster store needs the test's request"
+        cluster = request.getfixturevalue("redis_cluster")
+        return idemq.AsyncRedisStore(
+            cluster.url, prefix=unique("idemqtest"), ttl_s=600, lease_clock=LEASE_CLOCK
+        )
     if kind == "sqlite":
         url = f"sqlite:///{tmp_path / 'async.db'}"
     else:
         require_service("postgres" if kind == "postgres" else "mysql")
         url = PG_URL if kind == "postgres" else MYSQL_URL
-    store = idemq.AsyncSqlStore(url, table=unique("mi"))
+    store = idemq.AsyncSqlStore(url, table=unique("mi"), lease_clock=LEASE_CLOCK)
     await store.create_schema()
     return store
 
@@ -38,6 +49,9 @@ async def make_async_store(kind: str, tmp_path: Path) -> Any:
 async def dispose(store: Any) -> None:
     if isinstance(store, idemq.AsyncSqlStore):
         await store.drop_schema()
+    elif is_cluster(store.client):
+        async for key in store.client.scan_iter(match=f"{store.prefix}*", count=1000):
+            await store.client.delete(key)
     else:
         redis_cleanup(store.prefix)
     await store.close()
@@ -50,9 +64,9 @@ async def async_sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> Asy
     await dispose(store)
 
 
-@pytest.fixture(params=[*ASYNC_SQL, "redis"])
+@pytest.fixture(params=[*ASYNC_SQL, "redis", "redis-cluster"])
 async def async_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    store = await make_async_store(request.param, tmp_path)
+    store = await make_async_store(request.param, tmp_path, request)
     yield store
     await dispose(store)
 

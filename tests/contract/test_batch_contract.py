@@ -28,9 +28,9 @@ from tests.contract.conftest import SQL_STORES, dispose, make_store
 IDS = [f"M{i:04d}" for i in range(500)]
 
 
-@pytest.fixture(params=[*SQL_STORES, "redis"])
+@pytest.fixture(params=[*SQL_STORES, "redis", "redis-cluster"])
 def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    made = make_store(request.param, tmp_path)
+    made = make_store(request.param, tmp_path, request)
     yield made
     dispose(made)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ import idemq
 from idemq.guard.context import current_message
 from idemq.stores.base import ForgetResult
 from tests.conftest import REDIS_URL, require_service, unique
+from tests.contract.conftest import dispose, make_store
 
 LEASE_S = 1.5
 
@@ -135,3 +138,45 @@ async def async_lease_store(kind: str, tmp_path: Any) -> Any:
     store = idemq.AsyncSqlStore(f"sqlite:///{tmp_path / 'idemq.db'}", table=unique("mi"))
     await store.create_schema()
     return store
+
+
+@pytest.fixture(params=["redis", "postgres"])
+def redis_or_pg(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    made = make_store(request.param, tmp_path)
+    yield made
+    dispose(made)
+
+
+def test_a_3s_handler_with_a_1s_lease_runs_once_while_duplicates_keep_arriving(redis_or_pg):
+    # Another worker keeps delivering the message the whole time the handler runs: each
+    # delivery meets the renewed claim (IN_PROGRESS), none takes it over, and the ones after
+    # the handler finished replay its result.
+    store, consumer = redis_or_pg, unique("c")
+    holder = idemq.Idempotency(store, consumer=consumer, mode="lease", lease_s=1)
+    rival = idemq.Idempotency(store, consumer=consumer, mode="lease", lease_s=1)
+    runs: list[str] = []
+    started = threading.Event()
+
+    def slow(_tx: Any) -> str:
+        runs.append("holder")
+        started.set()
+        time.sleep(3)
+        return "done"
+
+    first: list[idemq.Outcome[Any]] = []
+    thread = threading.Thread(target=lambda: first.append(holder.process("M1", slow)))
+    thread.start()
+    assert started.wait(10)
+    answers: list[idemq.Status] = []
+    while thread.is_alive():
+        outcome = rival.process("M1", lambda _tx: runs.append("rival"))
+        answers.append(outcome.status)
+        time.sleep(0.05)
+    thread.join(20)
+    after = rival.process("M1", lambda _tx: runs.append("rival"))
+    assert first[0].status is idemq.Status.PROCESSED
+    assert runs == ["holder"]
+    assert answers.count(idemq.Status.IN_PROGRESS) >= 20  # deliveries all through the 3 s
+    assert set(answers) <= {idemq.Status.IN_PROGRESS, idemq.Status.DUPLICATE}
+    assert after.status is idemq.Status.DUPLICATE
+    assert after.result == "done"

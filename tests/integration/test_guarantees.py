@@ -144,9 +144,11 @@ def lease_store_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]
 
 
 def open_lease_store(url: str, scope: str) -> Any:
+    # The guard's clock judges leases, so the test below can expire one with an injected clock
+    # (tests/contract/test_store_clock.py covers the store's clock and real expiry).
     if url.startswith("redis://"):
-        return idemq.RedisStore(url, prefix=scope)
-    return idemq.SqlStore(url, table=scope)
+        return idemq.RedisStore(url, prefix=scope, lease_clock="client")
+    return idemq.SqlStore(url, table=scope, lease_clock="client")
 
 
 def pay_elsewhere(url: str, name: str, guarded: bool) -> Callable[[Any], str]:

@@ -97,6 +97,26 @@ def test_add_commits_and_rolls_back_with_the_business_change(outbox: idemq.Outbo
     assert rows(outbox) == [kept]
 
 
+def test_add_under_a_callers_id_adds_it_once_waiting_kept_or_dead(
+    outbox: idemq.Outbox, broker: Broker
+) -> None:
+    queue = unique("q")
+    for _ in range(2):
+        with outbox.engine.begin() as conn:
+            assert outbox.add(conn, queue, b"once", message_id="MINE-1") == "MINE-1"
+    assert rows(outbox) == ["MINE-1"]
+    relay = idemq.OutboxRelay(outbox, broker, keep_sent_s=60)
+    relay.run_once()  # sent, kept for audit: still not added again
+    with outbox.engine.begin() as conn:
+        outbox.add(conn, queue, b"once", message_id="MINE-1")
+    relay.run_once()
+    relay.close()
+    assert [(i, b) for i, b, _ in drain(broker, queue)] == [("MINE-1", b"once")]
+    for bad in ("", "x" * 129, 7):
+        with outbox.engine.begin() as conn, pytest.raises(idemq.errors.InvalidInputError):
+            outbox.add(conn, queue, b"x", message_id=bad)  # type: ignore[arg-type]
+
+
 def test_add_through_an_orm_session(outbox: idemq.Outbox) -> None:
     with Session(outbox.engine) as session:
         first = outbox.add(session, "shipments", b"a")
@@ -252,6 +272,9 @@ def test_refused_row_backs_off_then_goes_dead_holding_back_only_its_key(
     with outbox.engine.connect() as conn:
         reason = conn.execute(sa.text(f"SELECT last_error FROM {outbox.table}_dead")).scalar_one()
     assert "no such destination" in reason
+    with outbox.engine.begin() as conn:  # dead, not gone: the caller's id is not added again
+        assert outbox.add(conn, bad, b"never", message_id=doomed) == doomed
+    assert rows(outbox) == []
     assert retry_dead(outbox, doomed)
     assert not retry_dead(outbox, doomed)
     relay.close()

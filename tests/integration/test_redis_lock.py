@@ -10,8 +10,9 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -19,16 +20,21 @@ import redis.asyncio
 from sqlalchemy import BigInteger, Column, Integer, MetaData, String, Table, create_engine, select
 
 from idemq.business.versioned import versioned_update
+from idemq.drivers.redis import is_cluster, redis_client
 from idemq.errors import ConfigurationError, LockError, LockNotOwnedError, StoreUnavailableError
 from idemq.lock.redis_lock import AsyncRedisLock, RedisLock
-from tests.conftest import unique
+from tests.conftest import REDIS_URL, unique
 
 pytestmark = pytest.mark.redis
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
+@pytest.fixture(params=["redis", "cluster"])
+def client(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The shared Redis, then the session's Redis Cluster (a ``RedisCluster`` client)."""
+    if request.param == "cluster":
+        yield request.getfixturevalue("redis_cluster").client()  # closed with the cluster
+        return
+    c = redis.Redis.from_url(request.getfixturevalue("redis_url"))
     yield c
     c.close()
 
@@ -164,15 +170,16 @@ def test_mutual_exclusion_under_contention(client: redis.Redis, prefix: str) -> 
 
 
 def test_auto_renew_keeps_the_lock_and_reports_loss(client: redis.Redis, prefix: str) -> None:
+    # TTL 1.5 s, renewed every 0.5 s: a renewal thread held up by up to a second on a loaded
+    # machine still keeps it; the loss is waited for, not slept for.
     lost: list[str] = []
-    lock = make(client, prefix, ttl_s=0.3, auto_renew=True, on_lost=lambda: lost.append("x"))
+    lock = make(client, prefix, ttl_s=1.5, auto_renew=True, on_lost=lambda: lost.append("x"))
     assert lock.acquire()
-    time.sleep(0.8)  # > 2 TTLs
+    time.sleep(3.2)  # > 2 TTLs: only renewal can have kept it
     assert lock.owned()
     assert not lock.lost
-    client.set(lock._state.keys.lock, "thief", px=5000)  # another owner (after a long pause)
-    time.sleep(0.3)
-    assert lock.lost
+    client.set(lock._state.keys.lock, "thief", px=30_000)  # another owner (after a long pause)
+    _wait_until(lambda: lock.lost, 10, "the renewal to notice the loss")
     assert lost == ["x"]
     with pytest.raises(LockNotOwnedError):
         lock.release()
@@ -180,13 +187,21 @@ def test_auto_renew_keeps_the_lock_and_reports_loss(client: redis.Redis, prefix:
 
 
 def test_auto_renew_is_bounded(client: redis.Redis, prefix: str) -> None:
-    lock = make(client, prefix, ttl_s=0.15, auto_renew=True, max_renewals=2)
+    lock = make(client, prefix, ttl_s=1.0, auto_renew=True, max_renewals=2)
     assert lock.acquire()
-    time.sleep(0.6)  # two renewals at 0.05 s and 0.1 s, then the lock expires by itself
-    assert not lock.owned()
+    # Two renewals (about 0.33 s and 0.67 s in), then the lock expires by itself (about 1.7 s
+    # in); an unbounded renewal would keep it for the whole wait.
+    _wait_until(lambda: not lock.owned(), 10, "the lock to expire once its renewals ran out")
     assert not lock.lost  # not stolen: just no longer renewed
     with pytest.raises(LockNotOwnedError):
         lock.release()
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.05)
 
 
 def test_names_cannot_escape_their_keys(client: redis.Redis, prefix: str) -> None:
@@ -224,19 +239,24 @@ def test_lock_is_not_reentrant(client: redis.Redis, prefix: str) -> None:
 
 
 @pytest.fixture
-async def aclient(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
-    c = redis.asyncio.Redis.from_url(redis_url)
+async def aclient(client: Any, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """An asyncio client of the server ``client`` talks to (a Cluster one for the cluster)."""
+    url = request.getfixturevalue("redis_cluster").url if is_cluster(client) else REDIS_URL
+    c = redis_client(url, redis.asyncio.Redis)
     yield c
     await c.aclose()
 
 
 async def test_async_lock(aclient: redis.asyncio.Redis, prefix: str) -> None:
-    a = AsyncRedisLock(aclient, "job", ttl_s=0.2, prefix=prefix)
+    a = AsyncRedisLock(aclient, "job", ttl_s=1.0, prefix=prefix)  # outlives the next two steps
     b = AsyncRedisLock(aclient, "job", ttl_s=5, prefix=prefix)
     assert await a.acquire()
     assert await a.owned()
     assert not await b.acquire(timeout_s=0.05)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while await a.owned():  # A "pauses" past its TTL
+        assert time.monotonic() < deadline, "A's lock never expired"
+        await asyncio.sleep(0.05)
     assert await b.acquire(blocking=False)
     assert b.fencing_token > a.fencing_token
     with pytest.raises(LockNotOwnedError):
@@ -251,14 +271,16 @@ async def test_async_auto_renew(aclient: redis.asyncio.Redis, prefix: str) -> No
 
     lost: list[int] = []
     lock = AsyncRedisLock(
-        aclient, "renew", ttl_s=0.3, prefix=prefix, auto_renew=True, on_lost=lambda: lost.append(1)
+        aclient, "renew", ttl_s=1.5, prefix=prefix, auto_renew=True, on_lost=lambda: lost.append(1)
     )
     assert await lock.acquire()
-    await asyncio.sleep(0.8)
+    await asyncio.sleep(3.2)  # > 2 TTLs (renewed every 0.5 s, a second of slack)
     assert await lock.owned()
-    await aclient.set(lock._state.keys.lock, "thief", px=5000)
-    await asyncio.sleep(0.3)
-    assert lock.lost
+    await aclient.set(lock._state.keys.lock, "thief", px=30_000)
+    deadline = time.monotonic() + 10
+    while not lock.lost:
+        assert time.monotonic() < deadline, "the renewal never noticed the loss"
+        await asyncio.sleep(0.05)
     assert lost == [1]
     with pytest.raises(LockNotOwnedError):
         await lock.release()

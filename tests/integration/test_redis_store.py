@@ -27,7 +27,7 @@ import redis.asyncio
 
 import idemq
 from idemq._clock import system_clock_ms
-from idemq.drivers.redis import translate_error
+from idemq.drivers.redis import is_cluster, translate_error
 from idemq.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -51,9 +51,13 @@ def delete_prefix(client: redis.Redis, prefix: str) -> None:
         client.delete(key)
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
+@pytest.fixture(params=["redis", "cluster"])
+def client(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The shared Redis, then the session's Redis Cluster (a ``RedisCluster`` client)."""
+    if request.param == "cluster":
+        yield request.getfixturevalue("redis_cluster").client()  # closed with the cluster
+        return
+    c = redis.Redis.from_url(request.getfixturevalue("redis_url"))
     yield c
     c.close()
 
@@ -67,7 +71,9 @@ def prefix(client: redis.Redis) -> Iterator[str]:
 
 @pytest.fixture
 def store(client: redis.Redis, prefix: str) -> RedisStore:
-    return RedisStore(client, prefix=prefix, ttl_s=600)
+    # The guard's clock: these tests write records at chosen times (the contract suite's
+    # test_store_clock.py covers Redis's own clock, the default).
+    return RedisStore(client, prefix=prefix, ttl_s=600, lease_clock="client")
 
 
 def req(message_id: str, owner: str, now_ms: int = NOW_MS, lease_ms: int = 30_000, **kw: Any):
@@ -152,12 +158,14 @@ def test_replayed_claim_and_complete_are_harmless(store: RedisStore) -> None:
 
 
 def test_real_short_ttl_lease_expires(store: RedisStore) -> None:
-    guard_a = idemq.Idempotency(store, consumer=C, mode="lease", lease_s=0.3)
+    # A 2 s lease: the early attempt right after the claim sees it live even on a loaded
+    # machine; the takeover waits for the lease to be over by a clear margin.
+    guard_a = idemq.Idempotency(store, consumer=C, mode="lease", lease_s=2.0)
     request = guard_a.policy.request("m-real")
     assert store.claim(request).acquired  # worker A claims, then stalls
     blocked = guard_a.process("m-real", lambda tx: "B too early")
     assert blocked.status is idemq.Status.IN_PROGRESS
-    time.sleep(0.35)
+    time.sleep(max(request.lease_until_ms - system_clock_ms(), 0) / 1000 + 0.3)
     out = guard_a.process("m-real", lambda tx: "B")
     assert (out.status, out.result) == (idemq.Status.PROCESSED, "B")
     with pytest.raises(LeaseLostError):
@@ -193,7 +201,7 @@ def test_purge_by_the_store_clock_in_bounded_batches(
     assert len(store.in_progress(limit=1)) == 1
 
     now = [NOW_MS + 10_000]
-    purging = RedisStore(client, prefix=prefix, clock=lambda: now[0])
+    purging = RedisStore(client, prefix=prefix, clock=lambda: now[0], lease_clock="client")
     assert purging.purge(timedelta(seconds=20)) == 0  # processed 10 s ago: kept
     now[0] += 20_000
     assert purging.purge(timedelta(seconds=20), batch_size=1) == 1
@@ -448,17 +456,21 @@ def test_eight_threads_race_each_effect_once(
     assert store.in_progress() == []
 
 
-def _process_worker(prefix: str, seed: int, effects: str) -> None:
+def _process_worker(url: str, prefix: str, seed: int, effects: str) -> None:
     ids = random.Random(seed).sample([f"ORDER_{i:04d}" for i in range(500)], 500)
-    store = RedisStore(REDIS_URL, prefix=prefix)
+    store = RedisStore(url, prefix=prefix)
     _race_worker(store, {"consumer": C, "mode": "lease", "lease_s": 30}, ids, effects)
     store.close()
 
 
-def test_eight_processes_race_each_effect_once(client: redis.Redis, prefix: str) -> None:
+def test_eight_processes_race_each_effect_once(
+    client: redis.Redis, prefix: str, request: pytest.FixtureRequest
+) -> None:
     effects = f"{prefix}:effects"
+    url = request.getfixturevalue("redis_cluster").url if is_cluster(client) else REDIS_URL
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_process_worker, args=(prefix, s, effects)) for s in range(8)]
+    args = [(url, prefix, seed, effects) for seed in range(8)]
+    procs = [ctx.Process(target=_process_worker, args=a) for a in args]
     for p in procs:
         p.start()
     for p in procs:
@@ -475,7 +487,7 @@ def test_eight_processes_race_each_effect_once(client: redis.Redis, prefix: str)
 @pytest.fixture
 async def astore(redis_url: str, prefix: str) -> AsyncIterator[AsyncRedisStore]:
     client = redis.asyncio.Redis.from_url(redis_url)
-    yield AsyncRedisStore(client, prefix=prefix, ttl_s=600)
+    yield AsyncRedisStore(client, prefix=prefix, ttl_s=600, lease_clock="client")
     await client.aclose()
 
 

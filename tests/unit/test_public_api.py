@@ -56,6 +56,7 @@ EXPECTED = {
     "lease_node",
     "open_store",
     "parse_message_id",
+    "schema_metadata",
     "versioned_update",
     "versioned_update_async",
 }

@@ -12,6 +12,13 @@ object (it sends EVALSHA and, when the server answers NOSCRIPT after a restart, 
 ``SCRIPT FLUSH`` or a failover, loads the source and repeats), a command is the client method
 of that name, and redis-py encodes every argument and parses every reply.
 
+Redis Cluster: a ``redis://…?cluster=true`` URL builds a ``redis.cluster.RedisCluster`` (or its
+asyncio twin), and one passed in is used as it is. redis-py follows ``MOVED``/``ASK`` replies
+and refreshes its slot map itself; what it gives up on (``CLUSTERDOWN``, ``TRYAGAIN``, a slot
+no master serves during a failover) is :class:`~idemq.errors.StoreUnavailableError`. A script
+touches keys of one slot only, so a plan over many keys groups them with :func:`key_slot`;
+SCAN runs on each master in turn (:class:`Primaries`, :class:`ScanPage`).
+
 Errors: a redis-py exception is translated here, once, into
 :class:`~idemq.errors.StoreUnavailableError` (cannot reach / timed out / failover in progress)
 or :class:`~idemq.errors.StoreError` (anything else), always ``from exc``. Messages name the
@@ -21,14 +28,17 @@ server as ``host:port/db``, never the URL, so a password in it cannot leak into 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
-from urllib.parse import quote, unquote
+from typing import Any, Generic, TypeAlias, TypeVar, overload
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
 from redis import exceptions as rx
+from redis.crc import key_slot as _crc_key_slot
 
 from idemq.drivers.urls import mask_url
 from idemq.errors import ConfigurationError, StoreError, StoreUnavailableError
@@ -36,17 +46,24 @@ from idemq.errors import ConfigurationError, StoreError, StoreUnavailableError
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT_S",
     "EXTEND_IF_OWNER",
+    "AnyAsyncRedis",
+    "AnyRedis",
     "AsyncRedisExecutor",
     "Batch",
     "Call",
     "LuaScript",
     "Op",
     "Pause",
+    "Primaries",
     "RedisExecutor",
     "RunScript",
+    "ScanPage",
     "Step",
-    "describe_server",
+    "describe_client",
     "escape_key_part",
+    "group_by_slot",
+    "is_cluster",
+    "key_slot",
     "redis_client",
     "require_utf8",
     "text",
@@ -55,7 +72,11 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-C = TypeVar("C", redis.Redis, redis.asyncio.Redis)
+AnyRedis: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+"""A sync client idemq works with: one server (or a Sentinel-made client) or a Cluster."""
+AnyAsyncRedis: TypeAlias = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
+"""The asyncio twin of :data:`AnyRedis`."""
+C = TypeVar("C", AnyRedis, AnyAsyncRedis)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +137,25 @@ class Pause:
     seconds: float
 
 
-Step = RunScript | Call | Batch | Pause
+@dataclass(frozen=True, slots=True)
+class Primaries:
+    """The names of the masters a SCAN must visit: ``[""]`` (the one server) for a plain
+    client, every master's ``host:port`` for a Cluster client (redis-py's slot map)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScanPage:
+    """One ``SCAN cursor MATCH match COUNT count TYPE type_`` on master ``node`` (a name from
+    :class:`Primaries`); the reply is ``(next_cursor, keys)``, ``next_cursor`` 0 at the end."""
+
+    node: str
+    cursor: int
+    match: str
+    count: int
+    type_: str
+
+
+Step = RunScript | Call | Batch | Pause | Primaries | ScanPage
 Op = Generator[Step, Any, T]
 """An operation: yields steps, receives each step's reply, returns its result."""
 
@@ -152,6 +191,25 @@ def unescape_key_part(value: str) -> str:
     return unquote(value, encoding="utf-8", errors="surrogatepass")
 
 
+def key_slot(key: str) -> int:
+    """The Cluster hash slot of ``key`` (CRC16 of its hash tag, as the server computes it)."""
+    return int(_crc_key_slot(key.encode("utf-8", "surrogatepass")))
+
+
+def group_by_slot(keys: Sequence[str]) -> list[list[int]]:
+    """The positions of ``keys`` grouped by hash slot, each group in the order of ``keys``,
+    the groups in the order of their first key: one script call per group."""
+    groups: dict[int, list[int]] = {}
+    for position, key in enumerate(keys):
+        groups.setdefault(key_slot(key), []).append(position)
+    return list(groups.values())
+
+
+def is_cluster(client: AnyRedis | AnyAsyncRedis) -> bool:
+    """Whether ``client`` talks to a Redis Cluster."""
+    return isinstance(client, redis.cluster.RedisCluster | redis.asyncio.cluster.RedisCluster)
+
+
 def text(value: bytes | str) -> str:
     """A reply value as ``str`` whether the client decodes responses or not.
 
@@ -178,11 +236,37 @@ _UNAVAILABLE_REPLIES = (
 )
 
 
-def translate_error(exc: rx.RedisError, action: str, server: str) -> StoreError:
+# redis-py's Cluster errors that mean "retry later", whatever their message says.
+_CLUSTER_UNAVAILABLE = (
+    rx.ClusterDownError,  # CLUSTERDOWN, MASTERDOWN
+    rx.TryAgainError,  # TRYAGAIN: a slot migrating
+    rx.AskError,  # MOVED and ASK that redis-py stopped following
+    rx.ClusterError,  # "TTL exhausted": the slot map kept changing under redis-py
+    rx.SlotNotCoveredError,  # no master serves the slot right now
+)
+
+
+def translate_error(
+    exc: rx.RedisError | rx.RedisClusterException, action: str, server: str
+) -> StoreError:
     """The idemq error for a redis-py failure of ``action`` on ``server``; raise it ``from exc``."""
     reason = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, rx.ConnectionError | rx.TimeoutError):  # BusyLoadingError included
         return StoreUnavailableError(f"redis {server} unavailable during {action} ({reason})")
+    if isinstance(exc, rx.AskError):
+        # A Cluster client follows MOVED/ASK itself; one that reaches here came to a plain
+        # client connected to one node of a cluster.
+        return StoreUnavailableError(
+            f"redis {server} redirected {action} ({reason}): it is a Redis Cluster node, "
+            "connect with a ?cluster=true URL or a RedisCluster client"
+        )
+    if isinstance(exc, _CLUSTER_UNAVAILABLE) or (
+        isinstance(exc, rx.RedisClusterException)
+        and isinstance(exc.__cause__ or exc.__context__, rx.ConnectionError | rx.TimeoutError)
+    ):
+        # A failover in progress: redis-py gave up following MOVED/ASK, or the slot's master
+        # is gone and no replica has been promoted yet. The command did not run.
+        return StoreUnavailableError(f"redis {server} not serving {action} ({reason})")
     if isinstance(exc, rx.ResponseError) and str(exc).startswith(_UNAVAILABLE_REPLIES):
         return StoreUnavailableError(f"redis {server} not serving {action} ({reason})")
     if isinstance(exc, rx.ResponseError) and str(exc).startswith("syntax error"):
@@ -191,8 +275,13 @@ def translate_error(exc: rx.RedisError, action: str, server: str) -> StoreError:
     return StoreError(f"redis {server} failed {action} ({reason})")
 
 
-def describe_server(connection_kwargs: Mapping[str, Any]) -> str:
-    """``host:port/db`` (or the socket path) of a client, never its password."""
+def describe_client(client: AnyRedis | AnyAsyncRedis) -> str:
+    """``host:port/db`` (or the socket path) of a client, ``cluster host:port`` for a
+    Cluster client (the node it was started from), never a password."""
+    if isinstance(client, redis.cluster.RedisCluster | redis.asyncio.cluster.RedisCluster):
+        node = client.get_default_node()  # None for an asyncio client not connected yet
+        return "cluster" if node is None else f"cluster {node.host}:{node.port}"
+    connection_kwargs = client.get_connection_kwargs()
     if connection_kwargs.get("path"):
         return f"unix:{connection_kwargs['path']}/{connection_kwargs.get('db', 0)}"
     host = connection_kwargs.get("host", "localhost")
@@ -206,45 +295,98 @@ DEFAULT_SOCKET_TIMEOUT_S = 5.0
 _SCHEMES = ("redis", "rediss", "unix")
 
 
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no", "")
+
+
+def _cluster_url(url: str) -> tuple[str, bool]:
+    """``url`` without its ``cluster`` query argument, and whether it asked for a Cluster."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    values = [value.lower() for name, value in query if name == "cluster"]
+    if not values:
+        return url, False
+    if len(values) > 1 or values[0] not in _TRUE + _FALSE:
+        raise ConfigurationError(f"cluster must be true or false in {mask_url(url)}")
+    rest = urlencode([(name, value) for name, value in query if name != "cluster"])
+    return urlunsplit(parts._replace(query=rest)), values[0] in _TRUE
+
+
+@overload
 def redis_client(
-    client_or_url: C | str,
-    kind: type[C],
+    client_or_url: AnyRedis | str,
+    kind: type[redis.Redis],
+    *,
+    socket_timeout_s: float = ...,
+) -> AnyRedis: ...
+
+
+@overload
+def redis_client(
+    client_or_url: AnyAsyncRedis | str,
+    kind: type[redis.asyncio.Redis],
+    *,
+    socket_timeout_s: float = ...,
+) -> AnyAsyncRedis: ...
+
+
+def redis_client(
+    client_or_url: AnyRedis | AnyAsyncRedis | str,
+    kind: type[redis.Redis] | type[redis.asyncio.Redis],
     *,
     socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
-) -> C:
-    """A redis-py client of ``kind`` (``redis.Redis`` or ``redis.asyncio.Redis``): ``client_or_url``
-    itself when it is one, else one built from a ``redis://``, ``rediss://`` or ``unix://`` URL
-    with ``socket_timeout_s`` for connecting and for every reply (the caller owns and closes a
-    client built here). Raises :class:`~idemq.ConfigurationError` for anything else."""
-    if isinstance(client_or_url, kind):
+) -> AnyRedis | AnyAsyncRedis:
+    """A redis-py client of ``kind`` (``redis.Redis`` or ``redis.asyncio.Redis``) or of its
+    Cluster twin: ``client_or_url`` itself when it is one, else one built from a ``redis://``,
+    ``rediss://`` or ``unix://`` URL with ``socket_timeout_s`` for connecting and for every
+    reply (the caller owns and closes a client built here). ``?cluster=true`` in the URL builds
+    a Cluster client, the URL's host being any node of the cluster. Raises
+    :class:`~idemq.ConfigurationError` for anything else, and
+    :class:`~idemq.StoreUnavailableError` when no node of a Cluster answers (a sync Cluster
+    client reads the slot map when it is built)."""
+    cluster_kind = redis.cluster.RedisCluster if kind is redis.Redis else _ASYNC_CLUSTER
+    if isinstance(client_or_url, kind | cluster_kind):
         return client_or_url
     if not isinstance(client_or_url, str):
         raise ConfigurationError(
-            f"needs a {kind.__module__}.{kind.__name__} or a Redis URL, "
-            f"got {type(client_or_url).__name__}"
+            f"needs a {kind.__module__}.{kind.__name__}, a {cluster_kind.__module__}."
+            f"{cluster_kind.__name__} or a Redis URL, got {type(client_or_url).__name__}"
         )
-    url = client_or_url
-    scheme, sep, _ = url.partition("://")
+    scheme, sep, _ = client_or_url.partition("://")
     if not sep or scheme.lower() not in _SCHEMES:
         raise ConfigurationError(
-            f"not a Redis URL (redis://, rediss:// or unix://): {mask_url(url)}"
+            f"not a Redis URL (redis://, rediss:// or unix://): {mask_url(client_or_url)}"
         )
+    url, cluster = _cluster_url(client_or_url)
+    if cluster and scheme.lower() == "unix":
+        raise ConfigurationError(f"a Cluster is reached over TCP: {mask_url(url)}")
     try:
+        if cluster:
+            return cluster_kind.from_url(
+                url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+            )
         return kind.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
         )
     except ValueError as exc:
         raise ConfigurationError(f"invalid Redis URL {mask_url(url)}: {exc}") from exc
+    except (rx.RedisError, rx.RedisClusterException) as exc:
+        raise StoreUnavailableError(
+            f"redis cluster at {mask_url(url)} unreachable ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
-def require_utf8(client: redis.Redis | redis.asyncio.Redis, user: str) -> None:
+_ASYNC_CLUSTER = redis.asyncio.cluster.RedisCluster
+
+
+def require_utf8(client: AnyRedis | AnyAsyncRedis, user: str) -> None:
     """Refuse a client that would encode idemq's text other than as UTF-8.
 
     redis-py encodes every ``str`` argument with the client's ``encoding``, and idemq reads what
     it stored back as UTF-8 (:func:`text`): under another encoding, a record or key holding a
     non-ASCII character would be written in one encoding and read in another.
     """
-    encoding = client.connection_pool.connection_kwargs.get("encoding", "utf-8")
+    encoding = client.get_encoder().encoding
     if codecs.lookup(encoding).name != "utf-8":
         raise ConfigurationError(f"{user} needs a client with encoding='utf-8', got {encoding!r}")
 
@@ -257,6 +399,8 @@ def _action(step: Step) -> str:
         return step.method.upper()
     if isinstance(step, Batch):
         return f"pipeline of {len(step.calls)}"
+    if isinstance(step, ScanPage):
+        return f"SCAN on {step.node}" if step.node else "SCAN"
     return type(step).__name__
 
 
@@ -265,7 +409,8 @@ class _Executor(Generic[C]):
 
     def __init__(self, client: C) -> None:
         self.client: C = client
-        self.server = describe_server(client.connection_pool.connection_kwargs)
+        self.cluster = is_cluster(client)
+        self.server = describe_client(client)
         self._scripts: dict[LuaScript, Any] = {}
 
     def _registered(self, script: LuaScript) -> Any:
@@ -276,14 +421,36 @@ class _Executor(Generic[C]):
             registered = self._scripts[script] = self.client.register_script(script.source)
         return registered
 
-    def _failed(self, step: Step, exc: rx.RedisError) -> StoreError:
+    def _scan_kwargs(self, step: ScanPage) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"match": step.match, "count": step.count, "_type": step.type_}
+        if isinstance(self.client, redis.cluster.RedisCluster | _ASYNC_CLUSTER):
+            cluster: Any = self.client  # redis-py leaves the sync Cluster's node lookups untyped
+            node = cluster.get_node(node_name=step.node)
+            if node is None:  # the master left the slot map (failover) since Primaries
+                raise rx.SlotNotCoveredError(f"master {step.node} is no longer in the cluster")
+            kwargs["target_nodes"] = node
+        return kwargs
+
+    def _scan_reply(self, step: ScanPage, reply: Any) -> tuple[int, list[Any]]:
+        cursor, keys = reply
+        if self.cluster:  # redis-py keys a Cluster SCAN's cursors by node name
+            cursor = cursor[step.node]
+        return int(cursor), list(keys)
+
+    def _primaries(self) -> list[str]:
+        if not isinstance(self.client, redis.cluster.RedisCluster | _ASYNC_CLUSTER):
+            return [""]
+        cluster: Any = self.client  # untyped in redis-py, as above
+        return sorted(node.name for node in cluster.get_primaries())
+
+    def _failed(self, step: Step, exc: rx.RedisError | rx.RedisClusterException) -> StoreError:
         return translate_error(exc, _action(step), self.server)
 
     def _refuse(self, step: Step) -> TypeError:
         return TypeError(f"{type(self).__name__} cannot execute {step!r}")
 
 
-class RedisExecutor(_Executor[redis.Redis]):
+class RedisExecutor(_Executor[AnyRedis]):
     """Carries out the :data:`Step` values of a plan on a sync client (see the module)."""
 
     def __call__(self, step: Step) -> Any:
@@ -298,12 +465,17 @@ class RedisExecutor(_Executor[redis.Redis]):
                     for call in step.calls:
                         call.run_on(pipe)
                     return pipe.execute()
-        except rx.RedisError as exc:
+            if isinstance(step, ScanPage):
+                reply = self.client.scan(step.cursor, **self._scan_kwargs(step))
+                return self._scan_reply(step, reply)
+            if isinstance(step, Primaries):
+                return self._primaries()
+        except (rx.RedisError, rx.RedisClusterException) as exc:
             raise self._failed(step, exc) from exc
         raise self._refuse(step)
 
 
-class AsyncRedisExecutor(_Executor[redis.asyncio.Redis]):
+class AsyncRedisExecutor(_Executor[AnyAsyncRedis]):
     """:class:`RedisExecutor` for a ``redis.asyncio`` client: the same steps, awaited."""
 
     async def __call__(self, step: Step) -> Any:
@@ -319,6 +491,13 @@ class AsyncRedisExecutor(_Executor[redis.asyncio.Redis]):
                     for call in step.calls:
                         call.run_on(pipe)
                     return await pipe.execute()
-        except rx.RedisError as exc:
+            if isinstance(step, ScanPage):
+                reply = await self.client.scan(step.cursor, **self._scan_kwargs(step))
+                return self._scan_reply(step, reply)
+            if isinstance(step, Primaries):
+                if isinstance(self.client, _ASYNC_CLUSTER):
+                    await self.client.initialize()  # an asyncio Cluster reads its map lazily
+                return self._primaries()
+        except (rx.RedisError, rx.RedisClusterException) as exc:
             raise self._failed(step, exc) from exc
         raise self._refuse(step)

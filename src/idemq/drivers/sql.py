@@ -38,6 +38,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import Executable
 
 from idemq._plan import adrive, drive
+from idemq.drivers.extras import SQL_DRIVER_EXTRAS, missing_extra
 from idemq.drivers.urls import mask_url
 from idemq.errors import ConfigurationError, StoreConflictError, StoreError, StoreUnavailableError
 
@@ -51,6 +52,7 @@ __all__ = [
     "async_engine_from_url",
     "async_url",
     "begin",
+    "connection_lost",
     "discard_inherited_connections",
     "engine_from_url",
     "parse_url",
@@ -173,6 +175,25 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
     return StoreError(message)
 
 
+def connection_lost(error: BaseException) -> bool:
+    """Whether ``error``, raised by SQLAlchemy anywhere (a handler's own engine included), means
+    the database could not be reached rather than that the statement failed.
+
+    Narrower than :func:`translate_db_error`'s "unavailable": a connection SQLAlchemy found
+    broken (``connection_invalidated``: the server closed it, the network dropped), a connect
+    that failed (an ``OperationalError`` with no statement), the pool's own disconnection and
+    timeout errors. A statement the server refused or cancelled (a statement timeout) is not:
+    the same message would fail the same way every time, so it must count as an attempt.
+    """
+    if isinstance(error, exc.DisconnectionError | exc.TimeoutError | exc.PendingRollbackError):
+        return True
+    if isinstance(error, exc.DBAPIError):
+        if error.connection_invalidated:
+            return True
+        return isinstance(error, exc.OperationalError) and error.statement is None
+    return False
+
+
 @contextmanager
 def translated(doing: str) -> Iterator[None]:
     """Raise a database failure inside the block as :func:`translate_db_error`'s error."""
@@ -271,6 +292,15 @@ def async_url(url: URL) -> URL:
     return url.set(drivername=drivers.get(backend, url.drivername))
 
 
+def _unusable_driver(url: URL, error: Exception) -> ConfigurationError:
+    """Why ``url``'s driver cannot be used; a missing one names the extra that installs it."""
+    # The driver as written (get_driver_name() would load the dialect, which may be the error).
+    extra = SQL_DRIVER_EXTRAS.get(url.drivername.partition("+")[2])
+    if isinstance(error, ImportError) and extra is not None:
+        return missing_extra(f"a {url.drivername} store", extra, error)
+    return ConfigurationError(f"cannot use {url.drivername!r}: {error}")
+
+
 def engine_from_url(url: str | URL, **engine_kwargs: Any) -> Engine:
     """A sync engine for a store: :data:`ENGINE_DEFAULTS` (overridden by ``engine_kwargs``), SQLite
     prepared, inherited connections discarded after a fork."""
@@ -278,7 +308,7 @@ def engine_from_url(url: str | URL, **engine_kwargs: Any) -> Engine:
     try:
         engine = sa.create_engine(parsed, **{**ENGINE_DEFAULTS, **engine_kwargs})
     except (ArgumentError, NoSuchModuleError, ImportError) as error:
-        raise ConfigurationError(f"cannot use {parsed.drivername!r}: {error}") from error
+        raise _unusable_driver(parsed, error) from error
     if engine.dialect.name == "sqlite":
         prepare_sqlite(engine)
     discard_inherited_connections(engine)
@@ -291,7 +321,7 @@ def async_engine_from_url(url: str | URL, **engine_kwargs: Any) -> AsyncEngine:
     try:
         engine = create_async_engine(async_url(parsed), **engine_kwargs)
     except (ArgumentError, NoSuchModuleError, ImportError) as error:
-        raise ConfigurationError(f"cannot use {parsed.drivername!r}: {error}") from error
+        raise _unusable_driver(parsed, error) from error
     if engine.dialect.name == "sqlite":
         prepare_sqlite(engine.sync_engine)
     discard_inherited_connections(engine.sync_engine)

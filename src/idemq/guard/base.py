@@ -14,10 +14,10 @@ from idemq.errors import ConfigurationError, InvalidMessageIdError
 from idemq.guard.batch_flow import BatchFlow, BatchPasses, BatchPlan, batch_flow, plan_batch
 from idemq.guard.cache import CompletedCache
 from idemq.guard.codec import Codec
-from idemq.guard.core import Mode, Outcome, Policy, Status
+from idemq.guard.core import Mode, Outcome, Policy, Status, processed_record
 from idemq.guard.probes import Observer, Probe, report_batch
 from idemq.message import Message
-from idemq.stores.base import AsyncStore, ClaimRequest, Record, RecordStatus, Store
+from idemq.stores.base import AsyncStore, ClaimRequest, Store
 
 __all__ = ["GuardBase", "Observed", "bind_handler", "call_with_tx", "key_of", "optional_call"]
 
@@ -201,16 +201,7 @@ class GuardBase(Generic[S]):
         if outcome.status is Status.DUPLICATE and outcome.record is not None:
             cache.put(outcome.record, request.now_ms)
         elif outcome.status is Status.PROCESSED and committed:
-            key = request.key
-            record = Record(
-                consumer=key.consumer,
-                message_id=key.message_id,
-                status=RecordStatus.PROCESSED,
-                business_id=request.business_id,
-                payload_hash=request.payload_hash,
-                result=self.policy.encode(outcome.result),
-            )
-            cache.put(record, request.now_ms)
+            cache.put(processed_record(self.policy, request, outcome.result), request.now_ms)
 
     def _report_batch(self, outcomes: list[Outcome[Any]]) -> list[Outcome[Any]]:
         """Tell the observer each message's end result; returns the outcomes."""

@@ -162,8 +162,9 @@ def batch_flow(
         if i in failures:
             outcomes.append(Outcome.failed(message_id, failures[i]))
             continue
+        claim = next(claimed)
         try:
-            judged = judge(policy, request, next(claimed))
+            judged = judge(policy, request, claim)
         except PayloadMismatchError as exc:  # fails only this message
             outcomes.append(Outcome.failed(message_id, exc))
             continue
@@ -173,7 +174,7 @@ def batch_flow(
         if transactional:
             run = yield from _handle_in_transaction(policy, request, messages[i], isolated)
         else:
-            run = yield from _handle_leased(policy, request, messages[i])
+            run = yield from _handle_leased(policy, request, messages[i], claim.fence)
         if run.error is None:
             outcomes.append(Outcome.processed(message_id, run.result))
         elif not isinstance(run.error, Exception):
@@ -204,9 +205,9 @@ def _handle_in_transaction(
 
 
 def _handle_leased(
-    policy: Policy, request: ClaimRequest, message: Any
+    policy: Policy, request: ClaimRequest, message: Any, fence: int | None
 ) -> Generator[Step, Any, HandlerRun]:
-    run = yield from run_handler(policy, request, message, None)
+    run = yield from run_handler(policy, request, message, None, fence)
     if run.error is not None:
         yield from release_noting_failure(request, run.error)
         return run

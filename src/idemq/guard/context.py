@@ -1,7 +1,8 @@
 """What a handler can know about the message it is running for, without being passed it.
 
 While a guard runs a handler, :func:`current_message` returns the :class:`HandlerContext` of that
-run: the consumer, the message id, the claim's owner token, and whether its lease was lost.
+run: the consumer, the message id, the claim's owner token and fencing token, and whether its
+lease was lost.
 Code deep inside the handler — an outbox ``add``, a call to another service that should carry
 the message id on — reads it from here instead of threading it through every signature.
 Outside a guarded handler it is ``None``.
@@ -24,6 +25,14 @@ __all__ = ["HandlerContext", "current_message", "enter", "leave"]
 class HandlerContext:
     """One run of a handler for one message.
 
+    ``fence``: the claim's fencing token (lease mode): an int that is greater for every later
+    owner of the same message id — a takeover after this run's lease ran out gets a greater one
+    — so a write fenced with it (``StateMachine.apply(..., fence=)``,
+    ``versioned_update(..., fence=)``, or a downstream service's own check) is refused once a
+    later owner has written. It is the store's clock in epoch microseconds at the winning claim
+    (see :class:`idemq.stores.base.Claim`); None in transactional mode, where the dedup row
+    shares the business transaction and no second owner can exist, and for batch claims on SQL.
+
     ``next_index()`` numbers things the handler makes (outgoing messages, say) 0, 1, 2 … in the
     order it makes them. A run that is rolled back and runs again (a redelivery, a batch's
     isolated pass) starts again from 0, so what it derives from the numbers comes out the same.
@@ -32,6 +41,7 @@ class HandlerContext:
     consumer: str
     message_id: str
     owner: str
+    fence: int | None = None
     _counter: itertools.count[int] = field(default_factory=itertools.count, repr=False)
     _lost: threading.Event = field(default_factory=threading.Event, repr=False)
 

@@ -32,6 +32,7 @@ __all__ = [
     "Policy",
     "Status",
     "judge",
+    "processed_record",
     "validate_business_id",
     "validate_message_id",
 ]
@@ -248,3 +249,17 @@ def judge(policy: Policy, request: ClaimRequest, claim: Claim) -> Outcome[Any] |
     if record.status is RecordStatus.PROCESSED:
         return Outcome(Status.DUPLICATE, message_id, policy.decode(record.result), record)
     return Outcome(Status.IN_PROGRESS, message_id, None, record)
+
+
+def processed_record(policy: Policy, request: ClaimRequest, result: object) -> Record:
+    """The PROCESSED record that ``request``'s message has once its handler returned ``result``
+    and the effect committed (or the lease completed): what a later duplicate would read."""
+    key = request.key
+    return Record(
+        consumer=key.consumer,
+        message_id=key.message_id,
+        status=RecordStatus.PROCESSED,
+        business_id=request.business_id,
+        payload_hash=request.payload_hash,
+        result=policy.encode(result),
+    )

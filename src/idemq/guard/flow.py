@@ -236,7 +236,11 @@ class HandlerRun:
 
 
 def run_handler(
-    policy: Policy, request: ClaimRequest, message: Any, probe: Probe | None
+    policy: Policy,
+    request: ClaimRequest,
+    message: Any,
+    probe: Probe | None,
+    fence: int | None = None,
 ) -> Generator[Step, Any, HandlerRun]:
     """The handler step, reported to ``probe``.
 
@@ -246,7 +250,9 @@ def run_handler(
     if probe is not None:
         probe.handler_started()
     key = request.key
-    context = HandlerContext(key.consumer, key.message_id, request.owner)
+    # The fence is a lease's: in transactional mode nothing can take the message over.
+    fenced = None if policy.mode is Mode.TRANSACTIONAL else fence
+    context = HandlerContext(key.consumer, key.message_id, request.owner, fenced)
     lease = LeaseTerms(key, request.owner, policy.lease_ms) if policy.renews else None
     ok, value = yield RunHandler(message, context, lease)
     if probe is not None:
@@ -285,13 +291,15 @@ def message_flow(
     request: ClaimRequest,
     probe: Probe | None,
     cache: CompletedCache | None = None,
+    wait_until_ms: int | None = None,
 ) -> Flow:
     """One message, in the guard's mode; returns its :class:`Outcome` or raises.
 
     In transactional mode the shell runs this inside the transaction it opened: a handler error
     raised from here rolls the dedup row back with the effect, and a DUPLICATE or IN_PROGRESS
     returned from here commits nothing but a lock that is released. ``cache``: completed records
-    answered without a claim (see :mod:`idemq.guard.cache`).
+    answered without a claim (see :mod:`idemq.guard.cache`). ``wait_until_ms``: when a waiting
+    duplicate stops waiting (default: ``wait_s`` after the request was made).
     """
     transactional = policy.mode is Mode.TRANSACTIONAL
     cached = None if cache is None else cache.get(request.key.message_id, request.now_ms)
@@ -303,10 +311,13 @@ def message_flow(
         probe.claimed(claim_status(claim))
     judged = judge(policy, request, claim)
     if judged is not None and judged.status is Status.IN_PROGRESS and policy.wait_ms > 0:
-        judged, request = yield from _wait_for_holder(policy, request, judged)
+        until_ms = request.now_ms + policy.wait_ms if wait_until_ms is None else wait_until_ms
+        judged, request, claim = yield from _wait_for_holder(
+            policy, request, judged, claim, until_ms
+        )
     if judged is not None:
         return judged
-    run = yield from run_handler(policy, request, None, probe)
+    run = yield from run_handler(policy, request, None, probe, claim.fence)
     if run.error is not None:
         if transactional:
             yield from raise_if_transaction_lost(run.error)
@@ -321,12 +332,16 @@ def message_flow(
 
 
 def _wait_for_holder(
-    policy: Policy, request: ClaimRequest, judged: Outcome[Any]
-) -> Generator[Step, Any, tuple[Outcome[Any] | None, ClaimRequest]]:
+    policy: Policy,
+    request: ClaimRequest,
+    judged: Outcome[Any],
+    claim: StoredClaim,
+    deadline_ms: int,
+) -> Generator[Step, Any, tuple[Outcome[Any] | None, ClaimRequest, StoredClaim]]:
     """A duplicate that met a live claim (lease mode) claims again, backing off, until the
     holder finished (DUPLICATE, its result replayed), its lease ran out and this claim took it
-    over (None: run the handler), or ``policy.wait_ms`` passed (still IN_PROGRESS)."""
-    deadline_ms = request.now_ms + policy.wait_ms
+    over (None: run the handler), or ``deadline_ms`` passed (still IN_PROGRESS); returns the
+    last claim too (a takeover's carries its fence)."""
     delay_s = _FIRST_WAIT_S
     current: Outcome[Any] | None = judged
     while current is not None and current.status is Status.IN_PROGRESS:
@@ -336,8 +351,9 @@ def _wait_for_holder(
         yield Pause(min(delay_s, left_s))
         delay_s = min(delay_s * 2, _LONGEST_WAIT_S)
         request = dataclasses.replace(request, now_ms=policy.clock())
-        current = judge(policy, request, (yield Claim(request)))
-    return current, request
+        claim = yield Claim(request)
+        current = judge(policy, request, claim)
+    return current, request, claim
 
 
 _FIRST_WAIT_S = 0.01

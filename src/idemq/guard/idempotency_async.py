@@ -8,6 +8,7 @@ handler are awaited. Handlers may be coroutine functions or plain functions.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
@@ -16,13 +17,14 @@ from typing import Any, TypeVar, cast
 from idemq._plan import adrive
 from idemq.errors import LeaseLostError, StoreConflictError
 from idemq.guard import context
-from idemq.guard.base import GuardBase, bind_handler
+from idemq.guard.base import GuardBase, Observed, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
-from idemq.guard.core import Outcome
+from idemq.guard.core import Mode, Outcome
 from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
+from idemq.guard.inflight import InFlight
 from idemq.guard.renewal import keep_async
 from idemq.message import Message
-from idemq.stores.base import AsyncStore, AsyncTransactionalStore, ForgetResult
+from idemq.stores.base import AsyncStore, AsyncTransactionalStore, ClaimRequest, ForgetResult
 
 __all__ = ["AsyncIdempotency"]
 
@@ -37,6 +39,12 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
 
     _transactional_protocol = AsyncTransactionalStore
 
+    @functools.cached_property
+    def _inflight(self) -> InFlight | None:
+        """The calls in flight, when duplicates wait for them (lease mode with ``wait_s``)."""
+        policy = self.policy
+        return InFlight(policy) if policy.mode is Mode.LEASE and policy.wait_ms > 0 else None
+
     async def process(
         self,
         message_id: str,
@@ -46,17 +54,63 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         payload: object = None,
         connection: Any = None,
     ) -> Outcome[T]:
-        """See :meth:`Idempotency.process` (``connection``: an ``AsyncConnection``)."""
+        """See :meth:`Idempotency.process` (``connection``: an ``AsyncConnection``).
+
+        In lease mode with ``wait_s``, a call whose message id this guard is already running
+        waits for that call (:mod:`idemq.guard.inflight`) rather than polling the store.
+        """
         with self._observed(message_id) as observed:
             request = self.policy.request(message_id, business_id, payload)
-            observed.outcome = await self._run(
-                lambda _retries: message_flow(self.policy, request, observed.probe, self.cache),
-                bind_handler(handler),
-                connection,
-                ConflictRetries,
-            )
+            bound = bind_handler(handler)
+            if self._inflight is None:
+                observed.outcome = await self._process_one(request, bound, connection, observed)
+            else:
+                observed.outcome = await self._process_waiting(request, bound, observed)
         self._remember(request, observed.outcome, committed=connection is None)
         return cast(Outcome[T], observed.outcome)
+
+    async def _process_one(
+        self,
+        request: ClaimRequest,
+        handler: Callable[[Any, Any], Any],
+        connection: Any,
+        observed: Observed,
+        wait_until_ms: int | None = None,
+    ) -> Outcome[Any]:
+        """One message through the store."""
+        return cast(
+            Outcome[Any],
+            await self._run(
+                lambda _retries: message_flow(
+                    self.policy, request, observed.probe, self.cache, wait_until_ms
+                ),
+                handler,
+                connection,
+                ConflictRetries,
+            ),
+        )
+
+    async def _process_waiting(
+        self, request: ClaimRequest, handler: Callable[[Any, Any], Any], observed: Observed
+    ) -> Outcome[Any]:
+        """Lease mode with ``wait_s``: the first call of a message id goes to the store, the
+        calls of that id arriving while it runs wait for it; a waiter it leaves without a
+        result (it raised, or its own wait ran out) asks the store for the rest of its wait."""
+        inflight = cast(InFlight, self._inflight)
+        running = inflight.holder(request)
+        if running is None:
+            outcome: Outcome[Any] | None = None
+            try:
+                outcome = await self._process_one(request, handler, None, observed)
+            finally:
+                inflight.finish(request, outcome)
+            return outcome
+        answered = await inflight.wait(running, request)
+        if answered is not None:
+            return answered
+        until_ms = request.now_ms + self.policy.wait_ms
+        again = dataclasses.replace(request, now_ms=self.policy.clock())
+        return await self._process_one(again, handler, None, observed, until_ms)
 
     async def process_batch(
         self,

@@ -232,18 +232,23 @@ class MessageIdGenerator:
                 now = self._wait_for_next_ms(last)
                 continue
             behind_ms = last - now
+            # Just after a restart, ``last`` is the previous run's reservation floor, up to
+            # reserve_ms - 1 ahead of the last id it really issued (renewed just before it
+            # stopped): only what lies behind that id is the clock stepping back.
+            ahead_ms = self.reserve_ms - 1 if self._restart_grace else 0
             if behind_ms <= self.rollback_wait_ms or (
-                self._restart_grace and self.on_rollback == "raise" and behind_ms <= self.reserve_ms
+                self.on_rollback == "raise" and behind_ms <= ahead_ms + self.rollback_wait_ms
             ):
-                # A small step back (or the previous run's reservation): waiting it out keeps the
-                # timestamps truthful at the cost of a short pause.
+                # A small step back (and the previous run's reservation): waiting it out keeps
+                # the timestamps truthful at the cost of a short pause.
                 # (+1 ms when the last ms is exhausted: then only a later ms will do.)
                 exhausted = self._seq + 1 >= self._capacity
                 self._sleep((behind_ms + exhausted) / 1000)
                 now = self._clock()
                 continue
             if self.on_rollback == "raise":
-                raise ClockMovedBackwardsError(last, now)
+                # Reported from the earliest the last issued id can be: the step provably taken.
+                raise ClockMovedBackwardsError(last - ahead_ms, now)
             # Logical clock: continue after the last id; move to last + 1 only when that ms is
             # exhausted. Unique and increasing, timestamps ahead until the wall clock catches up.
             if self._seq + 1 < self._capacity:

@@ -6,12 +6,11 @@ processes competing for a pool never compare their own, possibly skewed, clocks.
 
 from __future__ import annotations
 
-import redis
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idemq._plan import drive
-from idemq.drivers.redis import EXTEND_IF_OWNER, Call, Op, RedisExecutor, RunScript
+from idemq.drivers.redis import EXTEND_IF_OWNER, AnyRedis, Call, Op, RedisExecutor, RunScript
 from idemq.errors import StoreUnavailableError
 
 __all__ = ["RedisLeaseBackend", "SqlLeaseBackend"]
@@ -22,10 +21,13 @@ _MGET_CHUNK = 500
 class RedisLeaseBackend:
     """Leases as keys ``idemq:node-lease:{pool}:{node}`` holding the owner token, with ``PX``."""
 
-    def __init__(self, client: redis.Redis, *, owns_client: bool = False) -> None:
+    def __init__(self, client: AnyRedis, *, owns_client: bool = False) -> None:
         self._client = client
         self._owns_client = owns_client
         self._execute = RedisExecutor(client)
+        # The nodes of a pool are keys of many Cluster slots: there the MGET hint is redis-py's
+        # mget_nonatomic (one MGET per slot); SET NX still decides, one key at a time.
+        self._mget = "mget_nonatomic" if self._execute.cluster else "mget"
 
     def close(self) -> None:
         """Close the client if this backend created it (from a URL)."""
@@ -39,7 +41,7 @@ class RedisLeaseBackend:
 
     def try_acquire(self, pool: str, nodes: list[str], owner: str, ttl_ms: int) -> str | None:
         """See :class:`idemq.ids.node_lease.LeaseBackend`."""
-        return drive(_take_free_node(pool, nodes, owner, ttl_ms), self._execute)
+        return drive(_take_free_node(pool, nodes, owner, ttl_ms, self._mget), self._execute)
 
     def renew(self, pool: str, node: str, owner: str, ttl_ms: int) -> bool:
         """See :class:`idemq.ids.node_lease.LeaseBackend`."""
@@ -55,12 +57,14 @@ class RedisLeaseBackend:
         drive(_extend_if_owner(self.key(pool, node), owner, hold_ms), self._execute)
 
 
-def _take_free_node(pool: str, nodes: list[str], owner: str, ttl_ms: int) -> Op[str | None]:
+def _take_free_node(
+    pool: str, nodes: list[str], owner: str, ttl_ms: int, mget: str = "mget"
+) -> Op[str | None]:
     """The first node of ``nodes`` whose lease ``owner`` could take, or ``None``."""
     for start in range(0, len(nodes), _MGET_CHUNK):
         chunk = nodes[start : start + _MGET_CHUNK]
         # One MGET to skip held nodes; SET NX is still what decides (the MGET may be stale).
-        held = yield Call("mget", [RedisLeaseBackend.key(pool, n) for n in chunk])
+        held = yield Call(mget, [RedisLeaseBackend.key(pool, n) for n in chunk])
         for node, holder in zip(chunk, held, strict=True):
             if holder is None:
                 key = RedisLeaseBackend.key(pool, node)

@@ -23,7 +23,15 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idemq._plan import drive
-from idemq.drivers.redis import Call, LuaScript, Op, RedisExecutor, RunScript, redis_client
+from idemq.drivers.redis import (
+    AnyRedis,
+    Call,
+    LuaScript,
+    Op,
+    RedisExecutor,
+    RunScript,
+    redis_client,
+)
 from idemq.drivers.sql import sql_engine, translate_db_error
 from idemq.errors import ConfigurationError, StoreUnavailableError
 
@@ -112,7 +120,7 @@ return current
 class RedisTimestampStore:
     """A Redis string (no TTL) holding the reservation; durability is Redis's (use AOF)."""
 
-    def __init__(self, client_or_url: redis.Redis | str, key: str) -> None:
+    def __init__(self, client_or_url: AnyRedis | str, key: str) -> None:
         self.key = key
         self._owns_client = isinstance(client_or_url, str)
         self._client = redis_client(client_or_url, redis.Redis)

@@ -42,17 +42,22 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-import redis
-import redis.asyncio
-
 from idemq._plan import adrive, drive
-from idemq.drivers.redis import AsyncRedisExecutor, Op, Pause, RedisExecutor, Step
+from idemq.drivers.redis import (
+    AnyAsyncRedis,
+    AnyRedis,
+    AsyncRedisExecutor,
+    Op,
+    Pause,
+    RedisExecutor,
+    Step,
+)
 from idemq.errors import ConfigurationError, LockError, LockNotOwnedError
 from idemq.lock import scripts as ops
 
 __all__ = ["AsyncRedisLock", "RedisLock"]
 
-C = TypeVar("C", redis.Redis, redis.asyncio.Redis)
+C = TypeVar("C", AnyRedis, AnyAsyncRedis)
 
 DEFAULT_MAX_RENEWALS = 100
 """With auto_renew, at most this many extensions (every ⅓ TTL: 1000 s for a 30 s lock)."""
@@ -226,7 +231,7 @@ class _LockShell(Generic[C]):
         return self._state.lost
 
 
-class RedisLock(_LockShell[redis.Redis]):
+class RedisLock(_LockShell[AnyRedis]):
     """A distributed lock on Redis with an owner token and a fencing token.
 
     ``acquire(blocking=True, timeout_s=None) -> bool``; :meth:`release` and :meth:`extend` raise
@@ -238,7 +243,7 @@ class RedisLock(_LockShell[redis.Redis]):
     watchdog thread). ``rng``/``monotonic`` are injectable for deterministic tests.
     """
 
-    def _init_shell(self, client: redis.Redis) -> None:
+    def _init_shell(self, client: AnyRedis) -> None:
         self._redis = RedisExecutor(client)
         self._server = self._redis.server
         self._stop = threading.Event()
@@ -319,10 +324,10 @@ class RedisLock(_LockShell[redis.Redis]):
                 raise
 
 
-class AsyncRedisLock(_LockShell[redis.asyncio.Redis]):
+class AsyncRedisLock(_LockShell[AnyAsyncRedis]):
     """Async twin of :class:`RedisLock` (``redis.asyncio.Redis``); the watchdog is a task."""
 
-    def _init_shell(self, client: redis.asyncio.Redis) -> None:
+    def _init_shell(self, client: AnyAsyncRedis) -> None:
         self._redis = AsyncRedisExecutor(client)
         self._server = self._redis.server
         self._stop = asyncio.Event()

@@ -66,8 +66,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_IDS.reset)
 
 
-def derived_id(consumer: str, message_id: str, index: int) -> str:
-    """``OUTBOX-<uuid5>`` of the three parts (44 characters)."""
+def derived_id(consumer: str, message_id: str, index: int | str) -> str:
+    """``OUTBOX-<uuid5>`` of the three parts (44 characters). ``index``: the add's number in
+    the handler's run, or a name of the caller's for messages made outside it."""
     name = f"{consumer}\x1f{message_id}\x1f{index}"
     return f"{OUTBOX_ID_PREFIX}-{uuid.uuid5(_NAMESPACE, name)}"
 

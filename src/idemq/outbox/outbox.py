@@ -29,6 +29,7 @@ from idemq.outbox.schema import (
     tables_for,
 )
 from idemq.outbox.statements import Statements, statements_for
+from idemq.stores.sql.versions import forget_version
 
 __all__ = ["AsyncOutbox", "Outbox", "OutboxBase", "add_plan"]
 
@@ -45,8 +46,13 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
     headers: Mapping[str, str] | None,
     ordering_key: str | None,
     now_ms: int,
+    message_id: str | None = None,
 ) -> Plan[Step, str]:
-    """Check the message, take its id, INSERT it; the answer is the id."""
+    """Check the message, take its id, INSERT it; the answer is the id.
+
+    With a ``message_id`` of the caller's, a row that already has it (waiting, kept after its
+    send, or dead) is not added again: the caller can add the same message more than once.
+    """
     if not isinstance(destination, str) or not 0 < len(destination) <= MAX_DESTINATION_LENGTH:
         raise InvalidInputError(f"outbox destination must be 1..255 characters: {destination!r}")
     if not isinstance(body, bytes | bytearray | memoryview):
@@ -57,7 +63,12 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
         raise InvalidInputError(f"ordering_key must be 1..128 characters: {ordering_key!r}")
     if headers and not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
         raise InvalidInputError("outbox headers must map str to str")
-    message_id = next_outbox_id()
+    if message_id is None:
+        message_id = next_outbox_id()
+    elif not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_KEY_LENGTH:
+        raise InvalidInputError(f"outbox message_id must be 1..128 characters: {message_id!r}")
+    elif (yield sql.has_id, {"id": message_id}).first() is not None:
+        return message_id
     params = {
         "id": message_id,
         "destination": destination,
@@ -132,6 +143,7 @@ class Outbox(OutboxBase):
             with self.engine.begin() as conn:
                 for table in tables_for(conn.dialect, self.table):
                     table.drop(conn, checkfirst=True)
+                    forget_version(conn, table.name)
         except DBAPIError as exc:
             raise translate_db_error(exc, f"drop outbox {self.table}") from exc
 
@@ -143,16 +155,27 @@ class Outbox(OutboxBase):
         *,
         headers: Mapping[str, str] | None = None,
         ordering_key: str | None = None,
+        message_id: str | None = None,
     ) -> str:
         """Write one outgoing message in the transaction of ``conn_or_session``; its id.
 
         The row commits or rolls back with that transaction: nothing is published for a change
         that rolled back, nothing is lost for one that committed. Inside a guarded handler the
         id is derived from the incoming message (the same on a rerun). One round trip.
+
+        ``message_id``: the id to use instead (at most 128 characters); a message whose row is
+        already in the outbox (waiting, kept or dead) is then not added twice — one more round
+        trip, to look.
         """
         conn = _sync_connection(conn_or_session)
         plan = add_plan(
-            self.statements(conn.dialect), destination, body, headers, ordering_key, self.clock()
+            self.statements(conn.dialect),
+            destination,
+            body,
+            headers,
+            ordering_key,
+            self.clock(),
+            message_id,
         )
         try:
             return drive(plan, lambda step: conn.execute(*step))
@@ -197,6 +220,7 @@ class AsyncOutbox(OutboxBase):
         *,
         headers: Mapping[str, str] | None = None,
         ordering_key: str | None = None,
+        message_id: str | None = None,
     ) -> str:
         """:meth:`Outbox.add` on an ``AsyncConnection`` or ``AsyncSession``, awaited."""
         if isinstance(conn_or_session, AsyncSession):
@@ -208,7 +232,13 @@ class AsyncOutbox(OutboxBase):
                 f"add needs an AsyncConnection or AsyncSession, got {type(conn_or_session)}"
             )
         plan = add_plan(
-            self.statements(conn.dialect), destination, body, headers, ordering_key, self.clock()
+            self.statements(conn.dialect),
+            destination,
+            body,
+            headers,
+            ordering_key,
+            self.clock(),
+            message_id,
         )
 
         async def execute(step: Step) -> Any:

@@ -44,10 +44,12 @@ from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from idemq.errors import ConfigurationError
 from idemq.stores.sql.schema import check_table_name as check_name
+from idemq.stores.sql.versions import record_version
 
 __all__ = [
     "DEFAULT_TABLE",
     "OUTBOX_COLUMNS",
+    "OUTBOX_SCHEMA_VERSION",
     "adopt_or_create",
     "build_dead_table",
     "build_outbox_table",
@@ -58,6 +60,10 @@ __all__ = [
 ]
 
 DEFAULT_TABLE = "idemq_outbox"
+
+#: The outbox tables' schema version (recorded in idemq_schema_version, see
+#: idemq.stores.sql.versions). 1: the tables as they first shipped.
+OUTBOX_SCHEMA_VERSION = 1
 
 # Keys compare exactly on every backend (see idemq.stores.sql.schema for why).
 _MYSQL_BIN = {"mariadb": "utf8mb4_nopad_bin", "mysql": "utf8mb4_0900_bin"}
@@ -180,12 +186,14 @@ def adopt_or_create(conn: Connection, name: str) -> None:
     """Create what is missing (tables, then indexes of tables that exist); use what is there.
 
     A table someone else made is kept as it is when it has our columns, and refused with one
-    error naming the missing ones when it does not.
+    error naming the missing ones when it does not. A table created here has its schema version
+    recorded.
     """
     inspector = inspect(conn)
     for table in tables_for(conn.dialect, name):
         if not inspector.has_table(table.name):
             table.create(conn)
+            record_version(conn, table.name, "outbox", OUTBOX_SCHEMA_VERSION)
             continue
         have = {column["name"] for column in inspector.get_columns(table.name)}
         missing = [column.name for column in table.columns if column.name not in have]

@@ -25,6 +25,7 @@ class Statements:
     channel: str  # PostgreSQL LISTEN/NOTIFY channel ('' elsewhere)
     insert: TextClause
     insert_keyed: TextClause  # the same, for a row with an ordering key
+    has_id: TextClause  # is a row with this id pending, kept or dead?
     claim: TextClause
     delete_sent: TextClause
     mark_sent: TextClause
@@ -111,6 +112,9 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         channel=channel,
         insert=insert,
         insert_keyed=insert_keyed,
+        has_id=text(
+            f"SELECT 1 FROM {t} WHERE id = :id UNION ALL SELECT 1 FROM {dead} WHERE id = :id"
+        ),
         claim=claim,
         delete_sent=text(f"DELETE FROM {t} WHERE id IN :ids{mine}").bindparams(
             bindparam("ids", expanding=True)

@@ -11,9 +11,11 @@ import enum
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from idemq._clock import system_clock_ms
+from idemq.drivers.sql import parse_url
 from idemq.errors import ConfigurationError
 from idemq.stores import is_redis_url, open_store, store_label
 from idemq.stores.base import DEFAULT_CONSUMER, Record, RecordStatus, StoreStats
@@ -32,8 +34,17 @@ __all__ = [
 STUCK_SHOWN = 10  # stuck records listed by `idemq stats` (the count covers all of them)
 
 
-def open_store_for(url: str, *, table: str | None = None, prefix: str | None = None) -> Any:
-    """The store at ``url``, on a non-default SQL ``table`` or Redis key ``prefix`` if given."""
+def open_store_for(
+    url: str, *, table: str | None = None, prefix: str | None = None, must_exist: bool = False
+) -> Any:
+    """The store at ``url``, on a non-default SQL ``table`` or Redis key ``prefix`` if given.
+
+    ``must_exist``: a SQLite URL naming a file that does not exist is a
+    :class:`~idemq.ConfigurationError` (SQLite would create an empty database there: a mistyped
+    path would answer "nothing found" instead of saying so).
+    """
+    if must_exist:
+        _check_sqlite_file_exists(url)
     if is_redis_url(url):
         if table is not None:
             raise ConfigurationError("--table is for SQL stores; a Redis store takes --prefix")
@@ -41,6 +52,21 @@ def open_store_for(url: str, *, table: str | None = None, prefix: str | None = N
     if prefix is not None:
         raise ConfigurationError("--prefix is for Redis stores; an SQL store takes --table")
     return open_store(url) if table is None else open_store(url, table=table)
+
+
+def _check_sqlite_file_exists(url: str) -> None:
+    if is_redis_url(url):
+        return
+    parsed = parse_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or database in (None, "", ":memory:"):
+        return
+    if database.startswith("file:"):  # a URI filename: SQLite's own options decide
+        return
+    if not Path(database).is_file():
+        raise ConfigurationError(
+            f"no SQLite database at {database!r} (check the path; it is not created here)"
+        )
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -74,8 +100,8 @@ def _age_s(stats: StoreStats, then: datetime | None) -> float | None:
 
 def stats_report(store: Any, *, now_ms: int | None = None) -> dict[str, Any]:
     """``store.stats()`` plus the oldest stuck records, as one JSON-ready dict."""
-    now = system_clock_ms() if now_ms is None else now_ms
-    stats: StoreStats = store.stats(now_ms=now)
+    stats: StoreStats = store.stats(now_ms=system_clock_ms() if now_ms is None else now_ms)
+    now = stats.now_ms  # the store's own clock when its leases run on it
     stuck: list[Record] = []
     if stats.stuck:
         # in_progress is oldest first, so the stuck ones we show are the oldest stuck ones.

@@ -11,8 +11,11 @@ in :mod:`idemq.guard.core`. A backend only has to answer these questions atomica
 A :class:`TransactionalStore` (SQL) adds the same-transaction flavour: the claim is written as
 PROCESSED inside the caller's transaction, so it commits or rolls back with the business change.
 
-Times: every ``*_ms`` is integer epoch milliseconds from the guard's injected clock, so leases are
-tested with a fake clock instead of ``sleep``.
+Times: every ``*_ms`` is integer epoch milliseconds from the guard's injected clock. A store with
+a server clock (Redis, PostgreSQL, MariaDB/MySQL) sets and judges leases on that clock instead
+by default (``lease_clock="store"``), taking only the lease's length from the request;
+``lease_clock="client"`` makes it use the request's times, so leases are tested with a fake
+clock instead of ``sleep``. SQLite and the memory store always use the guard's clock.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from idemq.errors import StoreError
 
 __all__ = [
     "DEFAULT_CONSUMER",
+    "LEASE_CLOCKS",
     "AsyncStore",
     "ForgetResult",
     "AsyncTransactionalStore",
@@ -43,6 +47,10 @@ __all__ = [
 ]
 
 DEFAULT_CONSUMER = "default"
+
+LEASE_CLOCKS = ("store", "client")
+"""The values of the SQL and Redis stores' ``lease_clock`` option: leases set and judged on the
+store server's clock, or on the guard's (injected) clock."""
 
 MILLISECOND = timedelta(milliseconds=1)
 """``epoch + MILLISECOND * ms``: a stored epoch-ms time as a datetime. Exact integer arithmetic,
@@ -125,14 +133,24 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The answer to a claim: either this owner now holds the message, or here is who does."""
+    """The answer to a claim: either this owner now holds the message, or here is who does.
+
+    ``fence``: a won lease-mode claim's fencing token — the store's clock in epoch microseconds
+    when the claim was won (Redis ``TIME``, PostgreSQL ``statement_timestamp()``, MariaDB/MySQL
+    ``UTC_TIMESTAMP(6)``; SQLite and memory: this process's clock, strictly increasing in it).
+    A takeover happens only once the old lease is over on the store's clock, so its fence is
+    greater than the old owner's; a claim after a release is later too, unless the server's
+    clock stepped back. None for a lost claim and for claims that carry none (transactional
+    batches).
+    """
 
     acquired: bool
     record: Record | None = None  # the existing record when not acquired
+    fence: int | None = None
 
     @classmethod
-    def won(cls) -> Claim:
-        return _WON
+    def won(cls, fence: int | None = None) -> Claim:
+        return _WON if fence is None else cls(True, None, fence)
 
     @classmethod
     def lost_to(cls, record: Record) -> Claim:

@@ -12,7 +12,7 @@ from copy import copy
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from idemq._clock import system_clock_ms
+from idemq._clock import process_fence_us, system_clock_ms
 from idemq.errors import LeaseLostError
 from idemq.stores.base import (
     DEFAULT_CONSUMER,
@@ -60,7 +60,7 @@ class MemoryStore:
                 lease_until_ms=request.lease_until_ms,
                 created_time=_utc(request.now_ms),
             )
-            return Claim.won()
+            return Claim.won(process_fence_us())
         same_message = (
             current.payload_hash is None
             or request.payload_hash is None
@@ -77,7 +77,7 @@ class MemoryStore:
                 lease_until_ms=request.lease_until_ms,
                 attempts=current.attempts + 1,
             )
-            return Claim.won()
+            return Claim.won(process_fence_us())
         return Claim.lost_to(copy(current))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:

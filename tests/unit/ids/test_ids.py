@@ -241,6 +241,39 @@ def test_quick_restart_under_raise_policy_waits_out_its_own_reservation(tmp_path
     assert parse_message_id(again).timestamp_ms == T0 + 1000
 
 
+def test_restart_just_after_a_renewal_with_the_clock_10ms_back_waits_it_out() -> None:
+    # The previous run renewed its reservation (to T0 + 2000) with its last id at T0 + 1000,
+    # then stopped; the restarted one finds the clock 10 ms back (<= rollback_wait_ms). The
+    # floor is 1000 ms ahead of that last id by design, so the step back is only 10 ms: wait,
+    # do not raise "clock moved backwards by 1009 ms".
+    store = CountingStore()
+    clock = FakeClock()
+    first_run = make(clock, timestamp_store=store, on_rollback="raise")
+    first_run.next_id()
+    clock.now_ms = T0 + 1000
+    last = first_run.next_id()  # the renewal
+    assert store.value == T0 + 2000
+    clock.now_ms = T0 + 990
+    again = make(clock, timestamp_store=store, on_rollback="raise").next_id()
+    assert again > last
+    assert parse_message_id(again).timestamp_ms == T0 + 2000
+    assert sum(clock.sleeps_s) <= 1.011, clock.sleeps_s  # the reservation, nothing more
+
+
+def test_restart_with_the_clock_back_beyond_the_tolerance_raises_the_true_step() -> None:
+    store = CountingStore()
+    clock = FakeClock()
+    first_run = make(clock, timestamp_store=store, on_rollback="raise")
+    first_run.next_id()
+    clock.now_ms = T0 + 1000
+    first_run.next_id()  # last id at T0 + 1000, reservation to T0 + 2000
+    clock.now_ms = T0 + 950  # 50 ms back: more than rollback_wait_ms (10)
+    with pytest.raises(ClockMovedBackwardsError) as info:
+        make(clock, timestamp_store=store, on_rollback="raise").next_id()
+    assert str(info.value).startswith("clock moved backwards by 50 ms"), str(info.value)
+    assert clock.sleeps_s == []
+
+
 def test_store_is_written_once_per_reservation_not_per_id() -> None:
     store = CountingStore()
     clock = FakeClock()

@@ -5,9 +5,15 @@ pipeline) run by :func:`~idemq._plan.drive` or ``adrive``, so the sync and the a
 differ only in their executor. Keys are laid out by :mod:`.keys`, records read and written by
 :mod:`.records`, and the scripts live in :mod:`.scripts`.
 
-The store protocol's primitives are one round trip each: a claim is ``SET … NX PX … GET``
+The store protocol's primitives are one round trip each: a claim is the claim script on Redis's
+clock (``server_clock``, the store's default), or ``SET … NX PX … GET`` on the guard's clock
 (a takeover adds the claim script), complete and release one script each, claim_many one
 script for the whole batch. The operator's tools (find, stats, purge …) are SCAN loops.
+
+On a Redis Cluster every record is in the slot of its own hash tag (consumer and message id),
+so a one-key script runs where redis-py routes it; :func:`claim_many_by_slot` and
+:func:`purge` with ``by_slot`` split their keys into one script call per slot, and the SCAN
+loops visit every master.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from idemq.drivers.redis import Batch, Call, Op, RunScript
+from idemq.drivers.redis import Batch, Call, Op, Primaries, RunScript, ScanPage, group_by_slot, text
 from idemq.errors import ConfigurationError, InvalidInputError, LeaseLostError, StoreError
 from idemq.stores.base import (
     Claim,
@@ -43,6 +49,7 @@ __all__ = [
     "Layout",
     "claim",
     "claim_many",
+    "claim_many_by_slot",
     "claim_set",
     "complete",
     "find",
@@ -53,6 +60,7 @@ __all__ = [
     "purge",
     "release",
     "renew",
+    "server_time_ms",
     "stats",
 ]
 
@@ -65,14 +73,14 @@ class ClaimArgs(NamedTuple):
     """The claim script's ARGV for one message, in order (see :data:`.scripts.CLAIM`)."""
 
     owner: str
-    now_ms: int
-    lease_until_ms: int
+    now_ms: int | str  # '' = Redis's clock (the script reads TIME)
+    lease_ms: int
     gc_ms: int
     business_id: str
     payload_hash: str
 
 
-def _claim_args(layout: Layout, request: ClaimRequest) -> ClaimArgs:
+def _claim_args(layout: Layout, request: ClaimRequest, server_clock: bool) -> ClaimArgs:
     owner = request.owner
     business_id = request.business_id or ""
     payload_hash = request.payload_hash or ""
@@ -81,8 +89,8 @@ def _claim_args(layout: Layout, request: ClaimRequest) -> ClaimArgs:
         raise InvalidInputError("a claim's owner, business id and payload hash cannot hold NUL")
     return ClaimArgs(
         owner=owner,
-        now_ms=request.now_ms,
-        lease_until_ms=request.lease_until_ms,
+        now_ms="" if server_clock else request.now_ms,
+        lease_ms=request.lease_ms,
         # Keep a PROCESSING record until its lease is over plus the retention ttl: long enough
         # that a redelivery after a crash finds it and takes over rather than starts afresh.
         gc_ms=request.lease_ms + layout.ttl_ms,
@@ -97,16 +105,16 @@ def claim_set(layout: Layout, request: ClaimRequest) -> Call:
     One native command, no script: it creates the record when there is none and otherwise
     hands back the stored one untouched; for a duplicate, that is the whole answer.
     """
-    return _set_if_absent(layout.key(request.key), _claim_args(layout, request))
+    return _set_if_absent(layout.key(request.key), _claim_args(layout, request, False), request)
 
 
-def _set_if_absent(key: str, args: ClaimArgs) -> Call:
+def _set_if_absent(key: str, args: ClaimArgs, request: ClaimRequest) -> Call:
     record = format_record(
         status=RecordStatus.PROCESSING,
         owner=args.owner,
-        lease_until_ms=args.lease_until_ms,
+        lease_until_ms=request.lease_until_ms,
         attempts=1,
-        created_ms=args.now_ms,
+        created_ms=request.now_ms,
         processed_ms=None,
         business_id=args.business_id,
         payload_hash=args.payload_hash,
@@ -115,15 +123,13 @@ def _set_if_absent(key: str, args: ClaimArgs) -> Call:
     return Call("set", key, record, nx=True, px=args.gc_ms, get=True)
 
 
-def _judge_stored(request: ClaimRequest, stored: bytes | str | None) -> Claim | None:
+def _judge_stored(request: ClaimRequest, stored: bytes | str) -> Claim | None:
     """The claim that :func:`claim_set`'s reply decides, or ``None``: ask the claim script.
 
     ``None`` for a PROCESSING record whose lease has expired (a takeover, if the payload
     allows) or that is already ``request.owner``'s (a replayed claim). The script judges
     those atomically, so a record that changed in between is judged as it is then.
     """
-    if stored is None:
-        return Claim.won()
     record = parse_record(request.key, stored)
     if record is None:  # unreachable: parse_record maps only None to None
         raise StoreError(f"unexpected claim reply for {request.key!r}: {stored!r}")
@@ -135,20 +141,30 @@ def _judge_stored(request: ClaimRequest, stored: bytes | str | None) -> Claim | 
 
 
 def _script_claim(key: Key, reply: Any) -> Claim:
-    """Won (the claim script returned 1) or lost to the record it handed back."""
-    if reply == 1:
-        return Claim.won()
+    """Won (the claim script returned ``{1, fence}``) or lost to the record it handed back."""
+    if isinstance(reply, list) and len(reply) == 2 and reply[0] == 1:
+        return Claim.won(int(reply[1]))
     record = parse_record(key, reply)
     if record is None:  # the script returns 1 or an existing record; anything else is a bug
         raise StoreError(f"unexpected claim reply for {key!r}: {reply!r}")
     return Claim.lost_to(record)
 
 
-def claim(layout: Layout, request: ClaimRequest) -> Op[Claim]:
-    """Claim one message: a fresh claim or a duplicate in one round trip, a takeover in two."""
+def claim(
+    layout: Layout, request: ClaimRequest, *, server_clock: bool = False, cluster: bool = False
+) -> Op[Claim]:
+    """Claim one message: on Redis's clock (``server_clock``) one script call whatever it
+    finds; on the guard's, a fresh claim or a duplicate in one round trip, a takeover in two.
+    On a Redis Cluster (``cluster``) always the script: a cluster pipeline cannot carry the
+    ``TIME`` a fresh claim's fence is read from."""
     key = layout.key(request.key)
-    args = _claim_args(layout, request)
-    stored = yield _set_if_absent(key, args)
+    args = _claim_args(layout, request, server_clock)
+    if server_clock or cluster:
+        return _script_claim(request.key, (yield RunScript(CLAIM, (key,), args)))
+    # The fence of a fresh claim is Redis's TIME, read in the same round trip.
+    stored, (seconds, micros) = yield Batch((_set_if_absent(key, args, request), Call("time")))
+    if stored is None:
+        return Claim.won(int(seconds) * 1_000_000 + int(micros))
     decided = _judge_stored(request, stored)
     if decided is not None:
         return decided
@@ -156,23 +172,45 @@ def claim(layout: Layout, request: ClaimRequest) -> Op[Claim]:
     return _script_claim(request.key, reply)
 
 
-def claim_many(layout: Layout, requests: Sequence[ClaimRequest]) -> Op[list[Claim]]:
+def claim_many(
+    layout: Layout, requests: Sequence[ClaimRequest], *, server_clock: bool = False
+) -> Op[list[Claim]]:
     """The claims of a batch in one script call, in the order of ``requests``."""
     if not requests:
         return []
     keys = tuple(layout.key(r.key) for r in requests)
-    args = tuple(value for r in requests for value in _claim_args(layout, r))
+    args = tuple(value for r in requests for value in _claim_args(layout, r, server_clock))
     replies = yield RunScript(CLAIM_MANY, keys, args)
     return [_script_claim(r.key, reply) for r, reply in zip(requests, replies, strict=True)]
 
 
-def complete(layout: Layout, key: Key, owner: str, result: str, now_ms: int) -> Op[None]:
-    """PROCESSING → PROCESSED for ``owner``; :class:`LeaseLostError` if ``owner`` lost it."""
+def claim_many_by_slot(
+    layout: Layout, requests: Sequence[ClaimRequest], *, server_clock: bool = False
+) -> Op[list[Claim]]:
+    """:func:`claim_many` on a Redis Cluster: one script call per hash slot of the batch (a
+    script may only touch keys of one slot), the answers put back in the order of
+    ``requests``."""
+    claims: list[Claim | None] = [None] * len(requests)
+    for positions in group_by_slot([layout.key(r.key) for r in requests]):
+        answers = yield from claim_many(
+            layout, [requests[p] for p in positions], server_clock=server_clock
+        )
+        for position, answer in zip(positions, answers, strict=True):
+            claims[position] = answer
+    return [c for c in claims if c is not None]
+
+
+def complete(
+    layout: Layout, key: Key, owner: str, result: str, now_ms: int, *, server_clock: bool = False
+) -> Op[None]:
+    """PROCESSING → PROCESSED for ``owner`` (stamped ``now_ms``, or Redis's time with
+    ``server_clock``); :class:`LeaseLostError` if ``owner`` lost it."""
     # The one argument idemq encodes itself: a result is JSON text from the guard and may hold a
     # lone surrogate (json.dumps("\udcff", ensure_ascii=False)), which redis-py's strict UTF-8
     # encoder refuses. Sent as bytes with surrogatepass it round-trips, as text() reads it back.
     encoded = result.encode("utf-8", "surrogatepass")
-    reply = yield RunScript(COMPLETE, (layout.key(key),), (owner, encoded, now_ms, layout.ttl_ms))
+    stamp = "" if server_clock else now_ms
+    reply = yield RunScript(COMPLETE, (layout.key(key),), (owner, encoded, stamp, layout.ttl_ms))
     if reply != 1:
         raise LeaseLostError(
             f"lease on {key.message_id!r} (consumer {key.consumer!r}) was lost before complete: "
@@ -180,10 +218,21 @@ def complete(layout: Layout, key: Key, owner: str, result: str, now_ms: int) -> 
         )
 
 
-def renew(layout: Layout, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> Op[bool]:
-    """Extend ``owner``'s lease to ``lease_until_ms``; False when ``owner`` lost the claim."""
-    gc_ms = max(lease_until_ms - now_ms, 1) + layout.ttl_ms
-    reply = yield RunScript(RENEW, (layout.key(key),), (owner, lease_until_ms, gc_ms))
+def renew(
+    layout: Layout,
+    key: Key,
+    owner: str,
+    lease_until_ms: int,
+    now_ms: int,
+    *,
+    server_clock: bool = False,
+) -> Op[bool]:
+    """Extend ``owner``'s lease to ``lease_until_ms`` (with ``server_clock``: to Redis's now
+    plus ``lease_until_ms - now_ms``); False when ``owner`` lost the claim."""
+    lease_ms = max(lease_until_ms - now_ms, 1)
+    until: int | str = "" if server_clock else lease_until_ms
+    args = (owner, until, lease_ms + layout.ttl_ms, lease_ms)
+    reply = yield RunScript(RENEW, (layout.key(key),), args)
     return bool(reply == 1)
 
 
@@ -199,14 +248,17 @@ def get(layout: Layout, key: Key) -> Op[Record | None]:
 
 
 def _scan(pattern: str) -> Op[list[bytes | str]]:
-    """Every key matching ``pattern`` (SCAN may repeat keys; duplicates are dropped)."""
+    """Every key matching ``pattern`` on every master (SCAN may repeat keys; duplicates are
+    dropped)."""
     found: dict[bytes | str, None] = {}
-    cursor = 0
-    while True:
-        cursor, keys = yield Call("scan", cursor, match=pattern, count=_SCAN_COUNT, _type="string")
-        found.update(dict.fromkeys(keys))
-        if cursor == 0:
-            return list(found)
+    for node in (yield Primaries()):
+        cursor = 0
+        while True:
+            cursor, keys = yield ScanPage(node, cursor, pattern, _SCAN_COUNT, "string")
+            found.update(dict.fromkeys(keys))
+            if cursor == 0:
+                break
+    return list(found)
 
 
 def _fetch(
@@ -247,22 +299,37 @@ def in_progress(layout: Layout, limit: int) -> Op[list[Record]]:
     return processing[:limit]
 
 
-def purge(layout: Layout, cutoff_ms: int, batch_size: int) -> Op[int]:
-    """Delete PROCESSED records processed before ``cutoff_ms``; how many were deleted."""
+def purge(layout: Layout, cutoff_ms: int, batch_size: int, *, by_slot: bool = False) -> Op[int]:
+    """Delete PROCESSED records processed before ``cutoff_ms`` on every master; how many were
+    deleted. ``by_slot`` (a Cluster): one script call per hash slot of each SCAN page."""
     if batch_size < 1:
         raise ConfigurationError(f"batch_size must be at least 1, got {batch_size}")
     deleted = 0
-    cursor = 0
-    while True:
-        cursor, found = yield Call(
-            "scan", cursor, match=layout.pattern_all(), count=batch_size, _type="string"
-        )
-        keys = [k for k in found if layout.parse_key(k) is not None]
-        # Bounded batches: one Lua call never blocks the server for more than batch_size keys.
-        for start in range(0, len(keys), batch_size):
-            deleted += yield RunScript(PURGE, tuple(keys[start : start + batch_size]), (cutoff_ms,))
-        if cursor == 0:
-            return deleted
+    for node in (yield Primaries()):
+        cursor = 0
+        while True:
+            cursor, found = yield ScanPage(node, cursor, layout.pattern_all(), batch_size, "string")
+            keys = [k for k in found if layout.parse_key(k) is not None]
+            for chunk in _purge_chunks(keys, batch_size, by_slot=by_slot):
+                deleted += yield RunScript(PURGE, chunk, (cutoff_ms,))
+            if cursor == 0:
+                break
+    return deleted
+
+
+def _purge_chunks(
+    keys: list[bytes | str], batch_size: int, *, by_slot: bool
+) -> list[tuple[bytes | str, ...]]:
+    """``keys`` in script-sized chunks: at most ``batch_size`` keys (one Lua call never blocks
+    the server for longer), and with ``by_slot`` all of one hash slot."""
+    groups = [list(range(len(keys)))]
+    if by_slot:
+        groups = group_by_slot([text(k) for k in keys])
+    return [
+        tuple(keys[p] for p in group[start : start + batch_size])
+        for group in groups
+        for start in range(0, len(group), batch_size)
+    ]
 
 
 def force_release(layout: Layout, key: Key) -> Op[bool]:
@@ -271,20 +338,31 @@ def force_release(layout: Layout, key: Key) -> Op[bool]:
     return bool(deleted == 1)
 
 
-def forget(layout: Layout, key: Key, *, force: bool, now_ms: int) -> Op[ForgetResult]:
-    """Delete ``key``'s record unless it is a live lease (or ``force``)."""
-    reply = yield RunScript(FORGET, (layout.key(key),), (now_ms, "1" if force else "0"))
+def forget(layout: Layout, key: Key, *, force: bool, now_ms: int | None) -> Op[ForgetResult]:
+    """Delete ``key``'s record unless it is a live lease at ``now_ms`` (None: Redis's clock)
+    or ``force``."""
+    now: int | str = "" if now_ms is None else now_ms
+    reply = yield RunScript(FORGET, (layout.key(key),), (now, "1" if force else "0"))
     return {1: ForgetResult.FORGOTTEN, 0: ForgetResult.NOT_FOUND}.get(
         int(reply), ForgetResult.LIVE_LEASE
     )
 
 
-def stats(layout: Layout, now_ms: int) -> Op[StoreStats]:
-    """Counts by SCAN + pipelined GET (O(records): an operator's tool, not a hot path).
+def server_time_ms() -> Op[int]:
+    """Redis's clock (``TIME``) in epoch milliseconds."""
+    seconds, micros = yield Call("time")
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def stats(layout: Layout, now_ms: int | None) -> Op[StoreStats]:
+    """Counts by SCAN + pipelined GET (O(records): an operator's tool, not a hot path); stuck
+    leases judged at ``now_ms`` (None: Redis's clock, read first).
 
     The size is estimated: the mean ``MEMORY USAGE`` of up to :data:`MEMORY_SAMPLE` records,
     spread over the key space, times the number of records.
     """
+    if now_ms is None:
+        now_ms = yield from server_time_ms()
     raw_keys = yield from _scan(layout.pattern_all())
     keys = [raw for raw in raw_keys if layout.parse_key(raw) is not None]
     records = yield from _fetch(layout, keys, skip_malformed=True)

@@ -18,9 +18,12 @@ takeover is a second round trip, the claim script, which re-reads the record and
 atomically. complete and release are one script call each; claim_many is one script call for
 the batch.
 
-Lease expiry is judged on the guard's clock (``now_ms``/``lease_until_ms`` in the request), so
-the fake-clock contract tests run unchanged on SQL and Redis. Across hosts that makes the lease
-as good as the workers' clock agreement: keep ``lease_s`` well above the expected skew.
+Leases are set and judged on Redis's clock (``TIME``, read inside the scripts) by default, so
+workers whose clocks disagree still agree on whether a lease is live; with that clock every
+claim is the claim script (one round trip, fresh or duplicate). ``lease_clock="client"`` judges
+leases on the guard's clock instead (``now_ms``/``lease_until_ms`` in the request, the native
+``SET … NX PX … GET`` fast path): the fake-clock contract tests use it, and across hosts it makes
+a lease only as good as the workers' clock agreement.
 
 Both classes are thin shells: every operation is a plan of :mod:`.ops` (keys, records, scripts
 and reply parsing live there and below), and the two stores differ only in the executor of
@@ -40,13 +43,17 @@ from idemq._clock import Clock, system_clock_ms
 from idemq._plan import adrive, drive
 from idemq.drivers.redis import (
     DEFAULT_SOCKET_TIMEOUT_S,
+    AnyAsyncRedis,
+    AnyRedis,
     AsyncRedisExecutor,
     RedisExecutor,
     redis_client,
     require_utf8,
 )
+from idemq.errors import ConfigurationError
 from idemq.stores.base import (
     DEFAULT_CONSUMER,
+    LEASE_CLOCKS,
     Claim,
     ClaimRequest,
     ForgetResult,
@@ -69,13 +76,37 @@ class _RedisStoreBase:
     _clock: Clock
     _server: str
     _owns_client: bool
+    _server_clock: bool
 
     def _configure(
-        self, client_or_url: Any, ttl_s: float, prefix: str, clock: Clock | None
+        self,
+        client_or_url: Any,
+        ttl_s: float,
+        prefix: str,
+        clock: Clock | None,
+        lease_clock: str,
     ) -> None:
         self._layout = ops.Layout.build(prefix, ttl_s)
         self._clock = clock or system_clock_ms
         self._owns_client = isinstance(client_or_url, str)
+        if lease_clock not in LEASE_CLOCKS:
+            raise ConfigurationError(
+                f"lease_clock must be one of {', '.join(map(repr, LEASE_CLOCKS))}, "
+                f"got {lease_clock!r}"
+            )
+        self._server_clock = lease_clock == "store"
+
+    @property
+    def lease_clock(self) -> str:
+        """Whose clock sets and judges leases: ``"store"`` (Redis's) or ``"client"``."""
+        return "store" if self._server_clock else "client"
+
+    def _judged_at(self, now_ms: int | None) -> int | None:
+        """The time ``stats``/``forget`` judge leases at: on Redis's clock None (the server
+        reads its own), else ``now_ms`` or the store's ``clock``."""
+        if self._server_clock:
+            return None
+        return self._clock() if now_ms is None else now_ms
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._server}, prefix={self._layout.prefix!r})"
@@ -89,44 +120,65 @@ class _RedisStoreBase:
 class RedisStore(_RedisStoreBase):
     """Lease-mode dedup store on Redis (one string per record, one round trip per primitive).
 
-    ``client_or_url``: a ``redis.Redis`` (shared, not closed by :meth:`close`) or a
-    ``redis://``/``rediss://``/``unix://`` URL (the store owns that client, built with
-    ``socket_timeout_s``). ``ttl_s``: how long a PROCESSED record, and so duplicate detection,
-    lasts. ``prefix``: key namespace. ``clock``: epoch-ms clock used by :meth:`purge` and
-    :meth:`stats` only; leases use the guard's clock.
+    ``client_or_url``: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (shared, not closed
+    by :meth:`close`) or a ``redis://``/``rediss://``/``unix://`` URL (the store owns that
+    client, built with ``socket_timeout_s``; ``redis://host:port?cluster=true`` for a Redis
+    Cluster). ``ttl_s``: how long a PROCESSED record, and so duplicate detection,
+    lasts. ``prefix``: key namespace. ``lease_clock``: whose clock sets and judges leases —
+    ``"store"`` (default: Redis's ``TIME``, so workers' clock skew cannot end a live lease;
+    ``stats``/``forget`` then judge at Redis's now and ignore ``now_ms``) or ``"client"`` (the
+    guard's injected clock, for fake-clock tests). ``clock``: epoch-ms clock of :meth:`purge`
+    (and, with ``lease_clock="client"``, of :meth:`stats` and :meth:`forget`).
     """
 
     def __init__(
         self,
-        client_or_url: redis.Redis | str,
+        client_or_url: AnyRedis | str,
         *,
         ttl_s: float = DEFAULT_TTL_S,
         prefix: str = "idemq",
         clock: Clock | None = None,
         socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+        lease_clock: str = "store",
     ) -> None:
-        self._configure(client_or_url, ttl_s, prefix, clock)
+        self._configure(client_or_url, ttl_s, prefix, clock, lease_clock)
         self._client = redis_client(client_or_url, redis.Redis, socket_timeout_s=socket_timeout_s)
         require_utf8(self._client, type(self).__name__)
         self._execute = RedisExecutor(self._client)
         self._server = self._execute.server
+        self._claim_many_op = ops.claim_many_by_slot if self._execute.cluster else ops.claim_many
 
     @property
-    def client(self) -> redis.Redis:
+    def client(self) -> AnyRedis:
         """The underlying redis-py client (for tests and ops)."""
         return self._client
 
     def claim(self, request: ClaimRequest) -> Claim:
         """Claim one message; see the module docstring for the outcomes."""
-        return drive(ops.claim(self._layout, request), self._execute)
+        return drive(
+            ops.claim(
+                self._layout,
+                request,
+                server_clock=self._server_clock,
+                cluster=self._execute.cluster,
+            ),
+            self._execute,
+        )
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """Claim a batch in one Lua call; the answers come back in order."""
-        return drive(ops.claim_many(self._layout, requests), self._execute)
+        """Claim a batch in one Lua call (on a Cluster, one per hash slot); the answers come
+        back in order."""
+        return drive(
+            self._claim_many_op(self._layout, requests, server_clock=self._server_clock),
+            self._execute,
+        )
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
         """PROCESSING → PROCESSED; raises :class:`~idemq.LeaseLostError` if ``owner`` lost it."""
-        drive(ops.complete(self._layout, key, owner, result, now_ms), self._execute)
+        drive(
+            ops.complete(self._layout, key, owner, result, now_ms, server_clock=self._server_clock),
+            self._execute,
+        )
 
     def release(self, key: Key, owner: str) -> None:
         """Delete ``owner``'s PROCESSING record so the message can be retried; else no-op."""
@@ -134,7 +186,9 @@ class RedisStore(_RedisStoreBase):
 
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
         """Extend ``owner``'s lease to ``lease_until_ms``; False when ``owner`` lost the claim."""
-        op = ops.renew(self._layout, key, owner, lease_until_ms, now_ms)
+        op = ops.renew(
+            self._layout, key, owner, lease_until_ms, now_ms, server_clock=self._server_clock
+        )
         return drive(op, self._execute)
 
     def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
@@ -155,13 +209,13 @@ class RedisStore(_RedisStoreBase):
         """Delete PROCESSED records older than ``older_than`` at ``now_ms`` (default: the
         store's clock), SCAN + one Lua call per ``batch_size`` keys; they also expire by ttl."""
         cutoff_ms = _cutoff_ms(self._clock if now_ms is None else now_ms, older_than)
-        return drive(ops.purge(self._layout, cutoff_ms, batch_size), self._execute)
+        op = ops.purge(self._layout, cutoff_ms, batch_size, by_slot=self._execute.cluster)
+        return drive(op, self._execute)
 
     def stats(self, *, now_ms: int | None = None) -> StoreStats:
         """Counts, oldest records, stuck leases (at ``now_ms``, default the store's clock) and
         an estimated size; SCANs the prefix, so it is for ops, not hot paths."""
-        now = self._clock() if now_ms is None else now_ms
-        return drive(ops.stats(self._layout, now), self._execute)
+        return drive(ops.stats(self._layout, self._judged_at(now_ms)), self._execute)
 
     def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
         """Delete the PROCESSING record whoever owns it (never a PROCESSED one); True if done."""
@@ -177,8 +231,8 @@ class RedisStore(_RedisStoreBase):
     ) -> ForgetResult:
         """See :meth:`idemq.stores.base.Store.forget` (one Lua call)."""
         key = Key(consumer, message_id)
-        now = self._clock() if now_ms is None else now_ms
-        return drive(ops.forget(self._layout, key, force=force, now_ms=now), self._execute)
+        op = ops.forget(self._layout, key, force=force, now_ms=self._judged_at(now_ms))
+        return drive(op, self._execute)
 
     def close(self) -> None:
         """Close the client if this store created it from a URL."""
@@ -187,41 +241,58 @@ class RedisStore(_RedisStoreBase):
 
 
 class AsyncRedisStore(_RedisStoreBase):
-    """Async twin of :class:`RedisStore` (``redis.asyncio.Redis`` or a URL); same primitives."""
+    """Async twin of :class:`RedisStore` (``redis.asyncio.Redis``, its ``RedisCluster`` or a
+    URL); same primitives."""
 
     def __init__(
         self,
-        client_or_url: redis.asyncio.Redis | str,
+        client_or_url: AnyAsyncRedis | str,
         *,
         ttl_s: float = DEFAULT_TTL_S,
         prefix: str = "idemq",
         clock: Clock | None = None,
         socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+        lease_clock: str = "store",
     ) -> None:
-        self._configure(client_or_url, ttl_s, prefix, clock)
+        self._configure(client_or_url, ttl_s, prefix, clock, lease_clock)
         self._client = redis_client(
             client_or_url, redis.asyncio.Redis, socket_timeout_s=socket_timeout_s
         )
         require_utf8(self._client, type(self).__name__)
         self._execute = AsyncRedisExecutor(self._client)
         self._server = self._execute.server
+        self._claim_many_op = ops.claim_many_by_slot if self._execute.cluster else ops.claim_many
 
     @property
-    def client(self) -> redis.asyncio.Redis:
+    def client(self) -> AnyAsyncRedis:
         """The underlying redis-py asyncio client (for tests and ops)."""
         return self._client
 
     async def claim(self, request: ClaimRequest) -> Claim:
         """See :meth:`RedisStore.claim`."""
-        return await adrive(ops.claim(self._layout, request), self._execute)
+        return await adrive(
+            ops.claim(
+                self._layout,
+                request,
+                server_clock=self._server_clock,
+                cluster=self._execute.cluster,
+            ),
+            self._execute,
+        )
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """See :meth:`RedisStore.claim_many`."""
-        return await adrive(ops.claim_many(self._layout, requests), self._execute)
+        return await adrive(
+            self._claim_many_op(self._layout, requests, server_clock=self._server_clock),
+            self._execute,
+        )
 
     async def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
         """See :meth:`RedisStore.complete`."""
-        await adrive(ops.complete(self._layout, key, owner, result, now_ms), self._execute)
+        await adrive(
+            ops.complete(self._layout, key, owner, result, now_ms, server_clock=self._server_clock),
+            self._execute,
+        )
 
     async def release(self, key: Key, owner: str) -> None:
         """See :meth:`RedisStore.release`."""
@@ -229,7 +300,9 @@ class AsyncRedisStore(_RedisStoreBase):
 
     async def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
         """See :meth:`RedisStore.renew`."""
-        op = ops.renew(self._layout, key, owner, lease_until_ms, now_ms)
+        op = ops.renew(
+            self._layout, key, owner, lease_until_ms, now_ms, server_clock=self._server_clock
+        )
         return await adrive(op, self._execute)
 
     async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
@@ -249,12 +322,12 @@ class AsyncRedisStore(_RedisStoreBase):
     ) -> int:
         """See :meth:`RedisStore.purge`."""
         cutoff_ms = _cutoff_ms(self._clock if now_ms is None else now_ms, older_than)
-        return await adrive(ops.purge(self._layout, cutoff_ms, batch_size), self._execute)
+        op = ops.purge(self._layout, cutoff_ms, batch_size, by_slot=self._execute.cluster)
+        return await adrive(op, self._execute)
 
     async def stats(self, *, now_ms: int | None = None) -> StoreStats:
         """See :meth:`RedisStore.stats`."""
-        now = self._clock() if now_ms is None else now_ms
-        return await adrive(ops.stats(self._layout, now), self._execute)
+        return await adrive(ops.stats(self._layout, self._judged_at(now_ms)), self._execute)
 
     async def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
         """See :meth:`RedisStore.force_release`."""
@@ -271,8 +344,8 @@ class AsyncRedisStore(_RedisStoreBase):
     ) -> ForgetResult:
         """See :meth:`RedisStore.forget`."""
         key = Key(consumer, message_id)
-        now = self._clock() if now_ms is None else now_ms
-        return await adrive(ops.forget(self._layout, key, force=force, now_ms=now), self._execute)
+        op = ops.forget(self._layout, key, force=force, now_ms=self._judged_at(now_ms))
+        return await adrive(op, self._execute)
 
     async def close(self) -> None:
         """Close the client if this store created it from a URL."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     ColumnElement,
     Dialect,
     Insert,
@@ -46,7 +47,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.expression import ColumnClause
 
 from idemq.drivers.sql import Plan, Step
-from idemq.errors import LeaseLostError
+from idemq.errors import ConfigurationError, LeaseLostError
 from idemq.stores.base import (
     MILLISECOND,
     Claim,
@@ -61,6 +62,7 @@ from idemq.stores.sql.schema import as_utc
 
 __all__ = [
     "CLAIM_TRIES",
+    "StatementClock",
     "PROCESSED",
     "PROCESSING",
     "SqlPlans",
@@ -164,9 +166,54 @@ def same_payload(current: ColumnElement[Any], new: ColumnElement[Any]) -> Column
     return or_(current.is_(None), new.is_(None), current == new)
 
 
-def new_row(transactional: bool, suffix: str = "") -> dict[str, Any]:
+class StatementClock:
+    """Where a statement's "now" comes from: the database server's clock (``server_ms`` and
+    ``server_now``, SQL expressions evaluated by the server) or, when those are None, the
+    guard's clock, bound as the parameters :meth:`SqlPlans.claim_params` fills in.
+
+    On the server's clock a lease is set as ``server now + b_lease_ms`` and judged against the
+    server's now, so workers whose clocks disagree still agree on whether a lease is live.
+    """
+
+    def __init__(
+        self,
+        server_ms: ColumnElement[int] | None = None,
+        server_now: ColumnElement[datetime] | None = None,
+    ) -> None:
+        self.server_ms = server_ms
+        self.server_now = server_now
+
+    @property
+    def on_server(self) -> bool:
+        return self.server_ms is not None
+
+    def now_ms(self, suffix: str = "") -> ColumnElement[int]:
+        """Epoch milliseconds now."""
+        if self.server_ms is None:
+            return bindparam(f"b_now_ms{suffix}", type_=BigInteger())
+        return self.server_ms
+
+    def now(self, suffix: str = "") -> ColumnElement[Any]:
+        """Now as a naive UTC datetime (``created_time``, ``processed_time``)."""
+        if self.server_now is None:
+            return bindparam(f"b_now{suffix}")
+        return self.server_now
+
+    def lease_until(self, suffix: str = "") -> ColumnElement[int]:
+        """The end of a lease that starts now."""
+        if self.server_ms is None:
+            return bindparam(f"b_lease_until_ms{suffix}", type_=BigInteger())
+        return self.server_ms + bindparam(f"b_lease_ms{suffix}", type_=BigInteger())
+
+
+CLIENT_CLOCK = StatementClock()
+
+
+def new_row(
+    transactional: bool, suffix: str = "", clock: StatementClock = CLIENT_CLOCK
+) -> dict[str, Any]:
     """The VALUES of a claim's new row, bound to :meth:`SqlPlans.claim_params` (``suffix``: the
-    row's index in a multi-row insert).
+    row's index in a multi-row insert; ``clock``: where its times come from).
 
     Inside the business transaction it is written PROCESSED with result ``'null'``
     (= ``encode_result(None)``: a handler returning None needs no second statement); in lease
@@ -183,14 +230,14 @@ def new_row(transactional: bool, suffix: str = "") -> dict[str, Any]:
         "payload_hash": bound("payload_hash"),
         "owner": bound("owner"),
         "attempts": constant(1),
-        "created_time": bound("now"),
+        "created_time": clock.now(suffix),
     }
     if transactional:
         row |= {"status": constant(PROCESSED), "result": NULL_RESULT, "lease_until_ms": null()}
-        row["processed_time"] = bound("now")
+        row["processed_time"] = clock.now(suffix)
     else:
         row |= {"status": constant(PROCESSING), "result": null(), "processed_time": null()}
-        row["lease_until_ms"] = bound("lease_until_ms")
+        row["lease_until_ms"] = clock.lease_until(suffix)
     return row
 
 
@@ -207,9 +254,11 @@ class SqlPlans(ABC):
     in its compiled cache afterwards.
     """
 
-    def __init__(self, table: Table, dialect: Dialect) -> None:
+    def __init__(self, table: Table, dialect: Dialect, *, store_clock: bool = False) -> None:
         self.table = table
         self.dialect = dialect
+        self.clock = self.server_clock() if store_clock else CLIENT_CLOCK
+        clock = self.clock
         self.columns = record_columns(table)
         c = table.c
         owner_is = c.owner == bindparam("b_owner")
@@ -218,8 +267,17 @@ class SqlPlans(ABC):
             c.consumer == bindparam("b_consumer"), c.message_id == bindparam("b_message_id")
         )
         self.get_stmt: Select[Any] = select(*self.columns).where(self.key_is)
+        # Every consumer's record of one id through the primary key, not a scan of the table:
+        # a recursive CTE walks the distinct consumers (each step one index probe: the next
+        # consumer after the last), then each (consumer, id) is one key lookup.
+        consumers = select(func.min(c.consumer).label("consumer")).cte("consumers", recursive=True)
+        following = (
+            select(func.min(c.consumer)).where(c.consumer > consumers.c.consumer).scalar_subquery()
+        )
+        consumers = consumers.union_all(select(following).where(consumers.c.consumer.is_not(None)))
         self.find_stmt = (
             select(*self.columns)
+            .join(consumers, c.consumer == consumers.c.consumer)
             .where(c.message_id == bindparam("b_message_id"))
             .order_by(c.consumer)
         )
@@ -243,7 +301,7 @@ class SqlPlans(ABC):
             .values(
                 status=constant(PROCESSED),
                 result=bindparam("b_result"),
-                processed_time=bindparam("b_now"),
+                processed_time=clock.now(),
                 lease_until_ms=null(),
             )
         )
@@ -253,25 +311,28 @@ class SqlPlans(ABC):
         self.renew_stmt = (
             update(table)
             .where(self.key_is, processing, owner_is)
-            .values(lease_until_ms=bindparam("b_lease_until_ms"))
+            .values(lease_until_ms=clock.lease_until())
         )
         # A processed record or an expired claim; a live lease only by forget_any_stmt.
         self.forget_stmt = delete(table).where(
             self.key_is,
-            or_(c.status == constant(PROCESSED), c.lease_until_ms <= bindparam("b_now_ms")),
+            or_(c.status == constant(PROCESSED), c.lease_until_ms <= clock.now_ms()),
         )
         self.forget_any_stmt = delete(table).where(self.key_is)
         self.purge_stmt: Any = delete(table).where(
             tuple_(c.consumer, c.message_id).in_(
                 select(c.consumer, c.message_id)
                 .where(c.status == constant(PROCESSED), c.processed_time < bindparam("b_cutoff"))
+                .order_by(c.processed_time)  # the index's order: a range scan, never a table scan
                 .limit(bindparam("b_limit"))
             )
         )
         # One scan of the table answers every count; transactional-mode rows are always
         # PROCESSED with no lease, so only lease-mode claims can be stuck.
-        stuck = and_(processing, c.lease_until_ms <= bindparam("b_now_ms"))
+        stuck = and_(processing, c.lease_until_ms <= clock.now_ms())
+        judged_at = [] if clock.server_ms is None else [clock.server_ms.label("now_ms")]
         self.stats_stmt = select(
+            *judged_at,
             func.sum(case((processing, 1), else_=0)).label("processing"),
             func.sum(case((c.status == constant(PROCESSED), 1), else_=0)).label("processed"),
             func.sum(case((stuck, 1), else_=0)).label("stuck"),
@@ -282,6 +343,14 @@ class SqlPlans(ABC):
         self._insert_many: dict[tuple[bool, int], Insert] = {}
 
     # -- what a dialect supplies -------------------------------------------------------------
+
+    def server_clock(self) -> StatementClock:
+        """The database server's clock, as SQL (``lease_clock="store"``); a dialect without one
+        (SQLite runs in-process: its clock is the guard's) refuses it."""
+        raise ConfigurationError(
+            f"lease_clock='store' needs a database server's clock; {self.dialect.name} runs in "
+            "this process, so its leases use the guard's clock (lease_clock='client')"
+        )
 
     @abstractmethod
     def insert_ignore(self, rows: list[dict[str, Any]]) -> Insert:
@@ -309,6 +378,7 @@ class SqlPlans(ABC):
         }
         if not transactional:
             params["b_lease_until_ms"] = request.lease_until_ms
+            params["b_lease_ms"] = request.lease_ms
             params["b_now_ms"] = request.now_ms
         return params
 
@@ -339,16 +409,24 @@ class SqlPlans(ABC):
             record = found.get(request.key.message_id)
             if record is not None and record.owner == request.owner:
                 claims.append(Claim.won())
-            elif record is None or (not transactional and record.lease_expired(request.now_ms)):
+            elif record is None or (not transactional and self._maybe_expired(record, request)):
                 claims.append((yield from self.claim(request, transactional)))
             else:
                 claims.append(Claim.lost_to(record))
         return claims
 
+    def _maybe_expired(self, record: Record, request: ClaimRequest) -> bool:
+        """Whether a lease read by ``claim_many`` is worth a takeover claim. On the server's
+        clock only the claim statement can tell, so every other owner's PROCESSING record is
+        tried (the claim judges it atomically)."""
+        if record.status is not RecordStatus.PROCESSING:
+            return False
+        return self.clock.on_server or record.lease_expired(request.now_ms)
+
     def _insert_rows(self, transactional: bool, count: int) -> Insert:
         statement = self._insert_many.get((transactional, count))
         if statement is None:
-            rows = [new_row(transactional, str(i)) for i in range(count)]
+            rows = [new_row(transactional, str(i), self.clock) for i in range(count)]
             statement = self._insert_many[transactional, count] = self.insert_ignore(rows)
         return statement
 
@@ -399,9 +477,15 @@ class SqlPlans(ABC):
         params = {"b_cutoff": EPOCH + MILLISECOND * cutoff_ms, "b_limit": limit}
         return (yield Step(self.purge_stmt, params)).rowcount
 
-    def renew(self, key: Key, owner: str, lease_until_ms: int) -> Plan[bool]:
-        """Extend ``owner``'s live claim; False when ``owner`` no longer holds it."""
-        params = {**key_params(key), "b_owner": owner, "b_lease_until_ms": lease_until_ms}
+    def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> Plan[bool]:
+        """Extend ``owner``'s live claim (to ``lease_until_ms``, or on the server's clock by as
+        long from the server's now); False when ``owner`` no longer holds it."""
+        params = {
+            **key_params(key),
+            "b_owner": owner,
+            "b_lease_until_ms": lease_until_ms,
+            "b_lease_ms": lease_until_ms - now_ms,
+        }
         return (yield Step(self.renew_stmt, params)).rowcount == 1
 
     def forget(self, key: Key, *, force: bool, now_ms: int) -> Plan[ForgetResult]:
@@ -425,6 +509,8 @@ class SqlPlans(ABC):
     def stats(self, now_ms: int) -> Plan[StoreStats]:
         """Counts by status, oldest records and stuck leases at ``now_ms``, and the size."""
         counts = (yield Step(self.stats_stmt, {"b_now_ms": now_ms})).rows[0]
+        if self.clock.on_server:
+            now_ms = int(counts.now_ms)
         size_bytes, size_method = yield from self.size()
         return StoreStats(
             processing=int(counts.processing or 0),

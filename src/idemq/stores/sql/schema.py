@@ -34,9 +34,25 @@ from sqlalchemy.types import TypeDecorator
 
 from idemq.errors import ConfigurationError
 
-__all__ = ["DEFAULT_TABLE", "UtcDateTime", "as_utc", "build_table", "collation_for", "ddl"]
+__all__ = [
+    "DEFAULT_TABLE",
+    "SCHEMA_VERSION",
+    "UtcDateTime",
+    "as_utc",
+    "build_table",
+    "collation_for",
+    "ddl",
+]
 
 DEFAULT_TABLE = "message_idempotent"
+
+#: The dedup table's schema version as :func:`build_table` defines it. 1: idemq 0.1.0's table;
+#: 2: adds ``ix_<table>_message_id``, so ``idemq inspect ID`` (a message id without its
+#: consumer) finds its rows by index rather than by reading the whole table.
+SCHEMA_VERSION = 2
+
+#: ``Index.info`` key of the version an index arrived in (see idemq.stores.sql.versions).
+SINCE = "idemq_since"
 
 # MariaDB and MySQL 8 spell "binary, no padding" differently.
 MARIADB_KEY_COLLATION = "utf8mb4_nopad_bin"
@@ -82,6 +98,10 @@ def _now_mysql(element: UtcNow, compiler: Any, **kw: Any) -> str:
     return "CURRENT_TIMESTAMP(6)"
 
 
+def _plain_timestamp() -> Any:
+    return DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+
+
 def as_utc(value: datetime | str) -> datetime:
     """A naive-UTC datetime (or SQLite's text form of one) as an aware UTC datetime."""
     if isinstance(value, str):
@@ -124,8 +144,14 @@ def build_table(
     schema: str | None = None,
     metadata: MetaData | None = None,
     mysql_collation: str | None = MARIADB_KEY_COLLATION,
+    plain_types: bool = False,
 ) -> Table:
-    """The dedup table: the seed's columns plus consumer scope, payload hash, result and lease."""
+    """The dedup table: the seed's columns plus consumer scope, payload hash, result and lease.
+
+    ``plain_types``: timestamps as SQLAlchemy's own ``DateTime`` (the same DDL) rather than
+    :class:`UtcDateTime`, so a migration tool renders them without importing idemq.
+    """
+    timestamp: Any = _plain_timestamp() if plain_types else UtcDateTime()
     return Table(
         check_table_name(name),
         metadata or MetaData(),
@@ -139,15 +165,12 @@ def build_table(
         Column("owner", String(32)),  # random token of the claim holder
         Column("lease_until_ms", BigInteger),  # epoch ms; NULL once processed
         Column("attempts", Integer, nullable=False, server_default=text("1")),
-        Column("processed_time", UtcDateTime()),
-        Column(
-            "created_time",
-            UtcDateTime(),
-            nullable=False,
-            server_default=UtcNow(),
-        ),
+        Column("processed_time", timestamp),
+        Column("created_time", timestamp, nullable=False, server_default=UtcNow()),
         # purge (status=1 AND processed_time < cutoff) and stuck-lease scans (status=0)
-        Index(f"ix_{name}_status_time", "status", "processed_time"),
+        Index(f"ix_{name}_status_time", "status", "processed_time", info={SINCE: 1}),
+        # find: a message id under every consumer (the primary key leads with consumer)
+        Index(f"ix_{name}_message_id", "message_id", info={SINCE: 2}),
         schema=schema,
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",

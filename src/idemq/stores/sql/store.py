@@ -9,6 +9,7 @@ shared with the asyncio twin, :class:`~idemq.stores.sql.store_async.AsyncSqlStor
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -36,6 +37,7 @@ from idemq.errors import (
 )
 from idemq.stores.base import (
     DEFAULT_CONSUMER,
+    LEASE_CLOCKS,
     Claim,
     ClaimRequest,
     ForgetResult,
@@ -45,11 +47,20 @@ from idemq.stores.base import (
 )
 from idemq.stores.sql.dialects import plans_for
 from idemq.stores.sql.plans import SqlPlans
-from idemq.stores.sql.schema import DEFAULT_TABLE, build_table, collation_for, ddl
+from idemq.stores.sql.schema import (
+    DEFAULT_TABLE,
+    SCHEMA_VERSION,
+    build_table,
+    collation_for,
+    ddl,
+)
+from idemq.stores.sql.versions import create_recorded, forget_version, plan_upgrade
 
 __all__ = ["DEFAULT_URL", "SqlStore", "SqlStoreBase", "schema_sql"]
 
 DEFAULT_URL = "sqlite:///idemq.db"
+
+log = logging.getLogger("idemq.store")
 
 T = TypeVar("T")
 
@@ -57,13 +68,40 @@ T = TypeVar("T")
 Primitive = Callable[[SqlPlans], Plan[T]]
 
 
+def resolve_lease_clock(url: URL, lease_clock: str | None) -> str:
+    """``lease_clock`` checked against the database of ``url``: ``"store"`` (the default on
+    PostgreSQL, MariaDB and MySQL) judges leases on the database server's clock, ``"client"``
+    (SQLite's only choice: it runs in this process) on the guard's."""
+    on_server = url.get_backend_name() != "sqlite"
+    if lease_clock is None:
+        return "store" if on_server else "client"
+    if lease_clock not in LEASE_CLOCKS:
+        raise ConfigurationError(
+            f"lease_clock must be one of {', '.join(map(repr, LEASE_CLOCKS))}, got {lease_clock!r}"
+        )
+    if lease_clock == "store" and not on_server:
+        raise ConfigurationError(
+            "lease_clock='store' needs a database server's clock; SQLite runs in this process, "
+            "so its leases use the guard's clock (lease_clock='client')"
+        )
+    return lease_clock
+
+
 class SqlStoreBase:
     """What the sync and async stores share: URL, table, plans, schema, safe repr."""
 
-    def __init__(self, url: URL, table: str, schema: str | None, mysql_flavor: str | None) -> None:
+    def __init__(
+        self,
+        url: URL,
+        table: str,
+        schema: str | None,
+        mysql_flavor: str | None,
+        lease_clock: str | None,
+    ) -> None:
         self.table = build_table(table, schema=schema)
         self.url = url
         self._mysql_flavor = mysql_flavor
+        self.lease_clock = resolve_lease_clock(url, lease_clock)
         self._plans: SqlPlans | None = None
         self.where = f"{url.render_as_string(hide_password=True)} table {table}"
 
@@ -73,13 +111,43 @@ class SqlStoreBase:
     def _plans_for(self, dialect: sa.Dialect) -> SqlPlans:
         # Built on first use: MariaDB vs MySQL is only known once a connection saw the server.
         if self._plans is None:
-            self._plans = plans_for(dialect, self.table, mysql_flavor=self._mysql_flavor)
+            self._plans = plans_for(
+                dialect,
+                self.table,
+                mysql_flavor=self._mysql_flavor,
+                store_clock=self.lease_clock == "store",
+            )
         return self._plans
 
-    def _ddl_table(self, dialect: sa.Dialect) -> sa.Table:
+    def ddl_table(self, dialect: sa.Dialect) -> sa.Table:
+        """The table as it is created on ``dialect`` (MySQL's and MariaDB's key collations
+        differ; a connected dialect knows which server it is)."""
         return build_table(
             self.table.name, schema=self.table.schema, mysql_collation=collation_for(dialect)
         )
+
+    def _create_recorded(self, conn: Connection) -> None:
+        table = self.ddl_table(conn.dialect)
+        if create_recorded(conn, table, "dedup", SCHEMA_VERSION):
+            return
+        try:
+            found = plan_upgrade(conn, table, "dedup", SCHEMA_VERSION).found
+        except ConfigurationError as exc:  # used as it is, as before; its claims will say more
+            log.warning("%s", exc)
+            return
+        if found < SCHEMA_VERSION:
+            log.warning(
+                "table %s is at schema version %d (this idemq's is %d): it works as it is; "
+                "`idemq schema upgrade --store URL --table %s` brings it up in place",
+                table.name,
+                found,
+                SCHEMA_VERSION,
+                table.name,
+            )
+
+    def _drop_recorded(self, conn: Connection) -> None:
+        self.table.drop(conn, checkfirst=True)
+        forget_version(conn, self.table.name, self.table.schema)
 
     def transaction_lost_by(self, error: BaseException) -> StoreError | None:
         """The store error a handler's own failed statement stands for when the transaction it
@@ -103,6 +171,13 @@ class SqlStore(SqlStoreBase):
     ``url``: an SQLAlchemy URL (``sqlite:///idemq.db``, ``postgresql+psycopg://…``,
     ``mysql+pymysql://…``) or an existing :class:`~sqlalchemy.engine.Engine`; ``engine_kwargs``
     go to :func:`~sqlalchemy.create_engine` (``pool_size``, ``pool_timeout`` …).
+
+    ``lease_clock``: whose clock sets and judges leases. ``"store"`` (the default on
+    PostgreSQL, MariaDB and MySQL): the database server's, so workers whose clocks disagree
+    still agree on whether a lease is live; the guard's ``now_ms`` then only stamps nothing a
+    lease depends on, and ``stats``/``forget`` judge at the server's now (``now_ms`` is
+    ignored). ``"client"``: the guard's injected clock (SQLite's only choice; tests that move
+    time with a fake clock).
     """
 
     def __init__(
@@ -112,22 +187,25 @@ class SqlStore(SqlStoreBase):
         table: str = DEFAULT_TABLE,
         schema: str | None = None,
         mysql_flavor: str | None = None,
+        lease_clock: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.engine = url if isinstance(url, Engine) else engine_from_url(url, **engine_kwargs)
-        super().__init__(self.engine.url, table, schema, mysql_flavor)
+        super().__init__(self.engine.url, table, schema, mysql_flavor, lease_clock)
 
     # -- schema ------------------------------------------------------------------------------
 
     def create_schema(self) -> None:
-        """Create the dedup table and its index if missing (safe to call twice)."""
+        """Create the dedup table and its indexes if missing, recording its schema version
+        (safe to call twice; a table that exists is used as it is: ``idemq schema upgrade``
+        brings an older one up)."""
         with translated(f"create_schema on {self.where}"), self.engine.begin() as conn:
-            self._ddl_table(conn.dialect).create(conn, checkfirst=True)
+            self._create_recorded(conn)
 
     def drop_schema(self) -> None:
         """Drop the dedup table (tests, teardown)."""
         with translated(f"drop_schema on {self.where}"), self.engine.begin() as conn:
-            self.table.drop(conn, checkfirst=True)
+            self._drop_recorded(conn)
 
     # -- transactions ------------------------------------------------------------------------
 
@@ -264,7 +342,9 @@ class SqlStore(SqlStoreBase):
 
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
         """See :meth:`idemq.stores.base.Store.renew`."""
-        return self._own_transaction("renew", lambda plans: plans.renew(key, owner, lease_until_ms))
+        return self._own_transaction(
+            "renew", lambda plans: plans.renew(key, owner, lease_until_ms, now_ms)
+        )
 
     def forget(
         self,

@@ -44,27 +44,26 @@ class AsyncSqlStore(SqlStoreBase):
         table: str = DEFAULT_TABLE,
         schema: str | None = None,
         mysql_flavor: str | None = None,
+        lease_clock: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if isinstance(url, AsyncEngine):
             self.engine = url
         else:
             self.engine = async_engine_from_url(url, **engine_kwargs)
-        super().__init__(self.engine.url, table, schema, mysql_flavor)
+        super().__init__(self.engine.url, table, schema, mysql_flavor, lease_clock)
 
     async def create_schema(self) -> None:
         """See :meth:`SqlStore.create_schema`."""
         with translated(f"create_schema on {self.where}"):
             async with self.engine.begin() as conn:
-                await conn.run_sync(
-                    lambda sync: self._ddl_table(sync.dialect).create(sync, checkfirst=True)
-                )
+                await conn.run_sync(self._create_recorded)
 
     async def drop_schema(self) -> None:
         """See :meth:`SqlStore.drop_schema`."""
         with translated(f"drop_schema on {self.where}"):
             async with self.engine.begin() as conn:
-                await conn.run_sync(lambda sync: self.table.drop(sync, checkfirst=True))
+                await conn.run_sync(self._drop_recorded)
 
     def transaction(self, connection: Any = None) -> AbstractAsyncContextManager[AsyncConnection]:
         """See :meth:`SqlStore.transaction` (``connection``: an ``AsyncConnection``)."""
@@ -186,7 +185,7 @@ class AsyncSqlStore(SqlStoreBase):
     async def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
         """See :meth:`idemq.stores.base.Store.renew`."""
         return await self._own_transaction(
-            "renew", lambda plans: plans.renew(key, owner, lease_until_ms)
+            "renew", lambda plans: plans.renew(key, owner, lease_until_ms, now_ms)
         )
 
     async def forget(
