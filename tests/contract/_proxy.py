@@ -8,12 +8,15 @@ import threading
 
 
 class CuttableProxy:
-    """Forwards 127.0.0.1:<port> to ``upstream``; :meth:`cut` drops every connection and refuses
-    new ones until :meth:`restore` (connections are accepted, then closed at once)."""
+    """Forwards ``<listen_host>:<port>`` to ``upstream``; :meth:`cut` drops every connection and
+    refuses new ones until :meth:`restore` (connections are accepted, then closed at once).
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    ``listen_host`` is 127.0.0.1 unless a test serves another interface (the host side of a
+    network namespace's veth, in ``tests/hosts``)."""
+
+    def __init__(self, upstream: tuple[str, int], *, listen_host: str = "127.0.0.1") -> None:
         self.upstream = upstream
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server((listen_host, 0))
         self.port: int = self._listener.getsockname()[1]
         self._cut = threading.Event()
         self._closed = threading.Event()
@@ -49,6 +52,9 @@ class CuttableProxy:
             except OSError:
                 client.close()
                 continue
+            # The timeout was for connecting: a pooled connection may sit idle for long, and a
+            # relay that closed it after 5 s of silence would be an outage nobody asked for.
+            server.settimeout(None)
             with self._lock:
                 self._sockets.update((client, server))
             threading.Thread(target=self._pump, args=(client, server), daemon=True).start()

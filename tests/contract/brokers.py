@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from idemq import Idempotency
 from idemq.brokers import open_broker
-from idemq.brokers.base import DEAD_LETTER_REASON_HEADER, Broker
+from idemq.brokers.base import DEAD_LETTER_QUEUE_HEADER, DEAD_LETTER_REASON_HEADER, Broker
 from idemq.brokers.settlement import RetryPolicy, Verdict
 from idemq.message import Message
 from idemq.worker.loop import Worker
@@ -143,6 +143,19 @@ class BrokerContract:
         broker.delete_queue(queue)
         broker.close()
 
+    def publish_duplicate(
+        self,
+        publisher: Broker,
+        queue: str,
+        body: bytes,
+        message_id: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Publish another message with an id already sent, so that it reaches consumers — a
+        broker with a dedup of its own (NATS' ``Nats-Msg-Id`` window) overrides this, so that
+        idemq's dedup is what is tested."""
+        publisher.publish(queue, body, headers=headers, message_id=message_id)
+
     def worker(
         self, broker_url: str, queue: str, business: Business, *, concurrency: int = 2
     ) -> Worker:
@@ -159,13 +172,23 @@ class BrokerContract:
     def read_dead_letters(
         self, broker_url: str, queue: str, expected: int
     ) -> list[tuple[bytes, dict[str, str]]]:
+        return [
+            (body, headers)
+            for _, body, headers in self.read_dead_messages(broker_url, queue, expected)
+        ]
+
+    def read_dead_messages(
+        self, broker_url: str, queue: str, expected: int
+    ) -> list[tuple[str | None, bytes, dict[str, str]]]:
+        """Up to ``expected`` dead letters of ``queue`` (20 s at most): id, body, headers."""
         broker = open_broker(broker_url)
-        found: list[tuple[bytes, dict[str, str]]] = []
+        found: list[tuple[str | None, bytes, dict[str, str]]] = []
         deadline = time.monotonic() + 20
         try:
             for delivery in broker.consume(broker.dead_letter_queue(queue), prefetch=10):
                 if delivery is not None:
-                    found.append((delivery.body, delivery.headers))
+                    message_id = delivery.message.id if delivery.message else None
+                    found.append((message_id, delivery.body, delivery.headers))
                     delivery.ack()
                 if len(found) >= expected or time.monotonic() > deadline:
                     break
@@ -183,14 +206,22 @@ class BrokerContract:
         running = Running(self.worker(broker_url, queue, business))
         for i, message_id in enumerate(ids):
             publisher.publish(queue, b'{"n": %d}' % i, message_id=message_id)
-        for message_id in ids[:5]:  # a producer retry after a lost confirm: same id again
-            publisher.publish(queue, b'{"n": 0}', message_id=message_id)
+        for i, message_id in enumerate(ids[:5]):  # a producer retry after a lost confirm:
+            # the same id and the same body (another body would be a payload mismatch)
+            self.publish_duplicate(publisher, queue, b'{"n": %d}' % i, message_id)
         wait_for(lambda: set(business.counts()) == set(ids), 30, "all 20 effects")
-        time.sleep(0.5)  # let the duplicates arrive too
+        # The copies reached the worker and idemq's dedup answered them: without them no
+        # delivery is a DUPLICATE (a failed message's retry is one only after a copy applied it).
+        wait_for(
+            lambda: running.worker.stats.verdicts[Verdict.DUPLICATE] >= 5,
+            30,
+            "the five duplicates to be delivered",
+        )
         stats = running.stop().stats
         assert business.counts() == Counter({message_id: 1 for message_id in ids})
         assert stats.verdicts[Verdict.PROCESSED] == 20
         assert stats.verdicts[Verdict.HANDLER_ERROR] == 5
+        assert stats.verdicts[Verdict.PAYLOAD_MISMATCH] == 0
         assert not business.fail_once  # every forced failure really was redelivered
 
     def test_crash_after_commit_before_ack_is_redelivered_and_absorbed(
@@ -280,6 +311,87 @@ class BrokerContract:
             running.stop()
             assert business.counts() == Counter({message_id: 1 for message_id in ids})
             assert worker.stats.verdicts[Verdict.STORE_UNAVAILABLE] >= 1
+        finally:
+            proxy.restore()
+            business.drop()
+            proxy.close()
+
+    def test_payload_mismatch_is_dead_lettered_with_its_original_headers(
+        self, broker_url: str, queue: str, business: Business, publisher: Broker
+    ) -> None:
+        # An id reused with another body: the second message is dead-lettered with the reason,
+        # keeping its own body and headers (the producer's and idemq's id), and the first
+        # message's effect stays the only one.
+        running = Running(self.worker(broker_url, queue, business))
+        message_id = f"PM_{queue}"
+        publisher.publish(queue, b'{"n": 1}', headers={"x-trace": "first"}, message_id=message_id)
+        wait_for(lambda: message_id in business.counts(), 30, "the first message")
+        self.publish_duplicate(
+            publisher, queue, b'{"n": 2}', message_id, {"x-trace": "second", "x-tenant": "t-9"}
+        )
+        dead = self.read_dead_messages(broker_url, queue, expected=1)
+        running.stop()
+        assert len(dead) == 1, dead
+        dead_id, body, headers = dead[0]
+        assert body == b'{"n": 2}'
+        assert headers[DEAD_LETTER_REASON_HEADER].startswith("payload_mismatch: "), headers
+        assert headers[DEAD_LETTER_QUEUE_HEADER] == queue
+        assert (headers["x-trace"], headers["x-tenant"]) == ("second", "t-9")
+        assert dead_id == message_id  # in the header or the broker's own id field
+        assert business.counts() == Counter({message_id: 1})
+        with business.engine.connect() as conn:
+            n = conn.execute(sa.text(f"SELECT n FROM {business.table}")).scalar_one()
+        assert n == 1, "the first message's effect, not the second's"
+        assert running.worker.stats.verdicts[Verdict.PAYLOAD_MISMATCH] == 1
+
+    # How long the store stays cut in the outage-attempts test: long enough for the outage alone
+    # to redeliver each message several times the policy's max_attempts.
+    outage_s: float = 3.0
+
+    def test_outage_redeliveries_are_not_attempts(
+        self, broker_url: str, queue: str, publisher: Broker
+    ) -> None:
+        # Messages delivered while the store is cut come back again and again (every one a
+        # STORE_UNAVAILABLE retry), so the broker's own delivery counter runs far past
+        # max_attempts. Then one transient handler failure must not dead-letter the message —
+        # only idemq's own failed runs count — while a message that always fails is still
+        # dead-lettered after exactly max_attempts handler runs.
+        require_service("postgres")
+        proxy = CuttableProxy(("127.0.0.1", 5432))
+        url = sa.make_url(PG_URL).set(host="127.0.0.1", port=proxy.port)
+        business = Business(url.render_as_string(hide_password=False), PG_URL)
+        try:
+            worker = self.worker(broker_url, queue, business, concurrency=1)
+            running = Running(worker)
+            warm = f"W_{queue}"
+            publisher.publish(queue, b'{"n": 0}', message_id=warm)
+            wait_for(lambda: warm in business.counts(), 30, "the worker to be up")
+            proxy.cut()
+            cut_at = time.monotonic()
+            flaky, poison = f"F_{queue}", f"P_{queue}"
+            business.fail_once.add(flaky)
+            business.always_fail.add(poison)
+            publisher.publish(queue, b'{"n": 1}', message_id=flaky)
+            publisher.publish(queue, b'{"n": 2}', message_id=poison)
+            outage_retries = 4 * FAST.max_attempts
+            wait_for(
+                lambda: worker.stats.verdicts[Verdict.STORE_UNAVAILABLE] >= outage_retries,
+                self.outage_s + 60,
+                "the outage to redeliver both messages",
+            )
+            time.sleep(max(self.outage_s - (time.monotonic() - cut_at), 0))
+            proxy.restore()
+            wait_for(lambda: flaky in business.counts(), 60, "the flaky message after the outage")
+            dead = self.read_dead_letters(broker_url, queue, expected=1)
+            running.stop()
+            assert business.counts() == Counter({warm: 1, flaky: 1})
+            assert not business.fail_once, "the flaky message's one failure happened"
+            assert [body for body, _ in dead] == [b'{"n": 2}'], "only the poison is dead"
+            reason = dead[0][1].get(DEAD_LETTER_REASON_HEADER, "")
+            assert reason.startswith(f"handler_error: gave up after {FAST.max_attempts} "), reason
+            # flaky once, the poison max_attempts times: the outage counted for nothing.
+            assert worker.stats.verdicts[Verdict.HANDLER_ERROR] == 1 + FAST.max_attempts
+            assert worker.stats.verdicts[Verdict.STORE_UNAVAILABLE] >= outage_retries
         finally:
             proxy.restore()
             business.drop()

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import idemq
 from idemq.brokers.embedded import EmbeddedBroker
+from idemq.brokers.rabbitmq import RabbitMQBroker
+from tests.conftest import require_service, unique
 
 IDEMQ = str(Path(sys.executable).with_name("idemq"))
 
@@ -90,3 +92,33 @@ def test_a_bad_header_is_a_usage_error(tmp_path: Path):
         check=False,
     )
     assert done.returncode == 2
+
+
+def test_publish_to_a_rabbitmq_queue_nobody_declared_exits_4_and_says_so(tmp_path: Path):
+    require_service("rabbitmq")
+    url = "amqp://guest:guest@127.0.0.1:5672/"
+    queue = unique("undeclared")
+    command = [IDEMQ, "publish", "--broker", url, "--queue", queue, "--id", "PAY_1", "{}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert done.stdout == ""  # no id printed for a message that went nowhere
+    assert done.stderr.splitlines() == [
+        f"broker error: RabbitMQ returned the message: no queue {queue!r} to route it to"
+        " (declare the queue, or start its worker, before publishing)"
+    ]
+
+    broker = RabbitMQBroker(url)
+    try:
+        broker.declare(queue)
+        again = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.strip() == "PAY_1"
+        stream = broker.consume(queue)
+        delivery = next(d for d in stream if d is not None)
+        assert delivery.message is not None
+        assert delivery.message.id == "PAY_1"  # exactly the one that was routed
+        delivery.ack()
+        stream.close()
+    finally:
+        broker.delete_queue(queue)
+        broker.close()

@@ -16,7 +16,7 @@ from idemq.observe.logs import LoggingObserver
 from idemq.observe.prometheus import PrometheusObserver, StoreCollector, serve_metrics
 from idemq.stores import store_label
 from idemq.stores.base import ClaimRequest, Key
-from tests.conftest import unique
+from tests.conftest import free_port, unique
 from tests.contract.conftest import FakeClock, dispose, make_store
 
 N_PROCESSED = 7
@@ -230,14 +230,6 @@ def test_no_password_from_the_store_url_in_logs_errors_metrics_or_cli(
     assert "***" in repr(store)
 
 
-def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _scrape(port: int) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
@@ -272,7 +264,7 @@ def test_worker_serves_metrics_on_metrics_port(tmp_path: Path) -> None:
         if msg.id == "BAD":
             raise ValueError("poison")
 
-    port = _free_port()
+    port = free_port()
     started: list[Worker] = []
     thread = threading.Thread(
         target=run_worker,
@@ -300,6 +292,9 @@ def test_worker_serves_metrics_on_metrics_port(tmp_path: Path) -> None:
                 samples.get("idemq_dead_lettered_total:") == 1
                 and samples.get("idemq_messages_total:processed") == N_PROCESSED
                 and samples.get("idemq_messages_total:duplicate") == M_DUPLICATES
+                # The store's gauges are read at most every 15 s: a scrape made before the
+                # worker finished keeps the older count until then.
+                and samples.get("idemq_records:processed") == N_PROCESSED
             ):
                 break
             time.sleep(0.1)

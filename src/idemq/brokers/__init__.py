@@ -1,16 +1,17 @@
 """Broker adapters: one module per broker, all the same shape (see :mod:`idemq.brokers.base`).
 
 The URL scheme picks the broker; each adapter's client library is imported only when used, so
-``pip install idemq[rabbitmq]`` is enough for RabbitMQ.
+``pip install 'idemq[rabbitmq]'`` is enough for RabbitMQ.
 """
 
 from __future__ import annotations
 
 import importlib
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from idemq.brokers.base import Broker, Delivery
 from idemq.brokers.settlement import RetryPolicy
+from idemq.drivers.extras import missing_extra
 from idemq.drivers.urls import mask_url
 from idemq.errors import ConfigurationError
 
@@ -29,21 +30,42 @@ SCHEMES: dict[str, tuple[str, str, str]] = {
 }
 
 
-def open_broker(url: str) -> Broker:
+_WITH_TOPOLOGY_OPTIONS = ("amqp", "amqps", "nats")
+
+
+def open_broker(url: str, *, declare: str | None = None, dead_letter: str | None = None) -> Broker:
     """Connect to the broker named by ``url``'s scheme (``amqp``, ``kafka``, ``nats``, ``redis``,
-    ``mqtt``, ``embedded``)."""
+    ``mqtt``, ``embedded``).
+
+    ``declare`` (``auto``: adopt what exists, create what is missing; ``never``: create nothing)
+    and ``dead_letter`` (the dead-letter queue or subject) are the URL's ``?declare=…`` and
+    ``?dead_letter=…`` (RabbitMQ and NATS; Kafka topics and Redis streams that exist are always
+    used as they are, and MQTT has nothing to declare).
+    """
     scheme = urlsplit(url).scheme.lower()
     if scheme not in SCHEMES:
         known = ", ".join(sorted(SCHEMES))
         raise ConfigurationError(
             f"unknown broker URL scheme {scheme!r} in {mask_url(url)!r} (known: {known})"
         )
+    options = {"declare": declare, "dead_letter": dead_letter}
+    if any(value is not None for value in options.values()):
+        if scheme not in _WITH_TOPOLOGY_OPTIONS:
+            raise ConfigurationError(
+                f"declare/dead_letter are options of RabbitMQ and NATS, not of {scheme!r}"
+            )
+        url = with_query(url, {k: v for k, v in options.items() if v is not None})
     module_name, class_name, extra = SCHEMES[scheme]
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigurationError(
-            f"the {scheme} broker needs its client library: install idemq[{extra}]"
-        ) from exc
+        raise missing_extra(f"the {scheme} broker", extra, exc) from exc
     broker: Broker = getattr(module, class_name).from_url(url)
     return broker
+
+
+def with_query(url: str, params: dict[str, str]) -> str:
+    """``url`` with ``params`` set in its query (replacing parameters of the same name)."""
+    parts = urlsplit(url)
+    kept = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in params]
+    return urlunsplit(parts._replace(query=urlencode([*kept, *params.items()])))

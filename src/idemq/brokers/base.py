@@ -16,38 +16,83 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from idemq.brokers.settlement import Ack, Retry, Settlement
 from idemq.drivers.urls import mask_url
 from idemq.errors import (
     AlreadySettledError,
     BrokerError,
+    ConfigurationError,
 )
 from idemq.message import BUSINESS_ID_HEADER, MESSAGE_ID_HEADER, Message
 
 __all__ = [
+    "ATTEMPT_HEADER",
     "DEAD_LETTER_ATTEMPTS_HEADER",
     "DEAD_LETTER_QUEUE_HEADER",
     "DEAD_LETTER_REASON_HEADER",
     "Ack",
     "Broker",
     "Delivery",
+    "NOT_BEFORE_HEADER",
     "Received",
     "Retry",
     "Settlement",
+    "BROKER_MESSAGE_ID",
+    "check_declare_mode",
     "dead_letter_headers",
     "decode",
+    "header_text",
     "mask_url",
     "settle_all",
+    "split_query",
+    "take_attempt",
 ]
 
 DEAD_LETTER_REASON_HEADER = "idemq-dead-letter-reason"
 DEAD_LETTER_QUEUE_HEADER = "idemq-original-queue"
 DEAD_LETTER_ATTEMPTS_HEADER = "idemq-delivery-attempts"
+# idemq's own attempt number, carried by the copy a counted retry re-publishes (see
+# settlement.Retry), and when that copy is due. Adapters take both out of the headers they hand on.
+ATTEMPT_HEADER = "idemq-delivery-attempt"
+NOT_BEFORE_HEADER = "idemq-not-before-ms"
+
+
+def _count(text: str | None) -> int | None:
+    """A non-negative integer written in ASCII digits (at most 18 of them), else None."""
+    if text is None or not (text.isascii() and text.isdigit()) or len(text) > 18:
+        return None
+    return int(text)
+
+
+def take_attempt(headers: dict[str, str]) -> tuple[int, int]:
+    """Remove idemq's attempt and not-before headers from ``headers``; return
+    ``(attempt, not_before_ms)``: attempt 1 and not-before 0 when absent or malformed."""
+    attempt = _count(headers.pop(ATTEMPT_HEADER, None))
+    not_before = _count(headers.pop(NOT_BEFORE_HEADER, None))
+    return (attempt if attempt else 1), (not_before or 0)
+
+
+# The name :func:`decode` gives the broker's own message id among ``undecodable`` ones.
+BROKER_MESSAGE_ID = "the broker message id"
+
+
+def header_text(value: object) -> tuple[str, bool]:
+    """A header value as text, and whether it was text: ``str`` as it is, bytes decoded strictly
+    as UTF-8 (when they are not valid UTF-8: replacement characters, and False), anything else
+    (numbers, booleans, timestamps) as ``str()``."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        try:
+            return raw.decode("utf-8"), True
+        except UnicodeDecodeError:
+            return raw.decode("utf-8", "replace"), False
+    return (value if isinstance(value, str) else str(value)), True
 
 
 def decode(
@@ -56,14 +101,23 @@ def decode(
     *,
     broker_message_id: str | None = None,
     delivery_attempt: int = 1,
+    undecodable: Collection[str] = (),
 ) -> tuple[Message | None, str | None]:
     """Build the :class:`~idemq.Message` of a raw delivery, or say why it cannot be built.
 
     The id is the ``idemq-message-id`` header when the producer set one, else the broker's message
     id. The explicit header wins because some clients stamp a *random* broker id on every publish
-    (aiormq does), which would make each producer retry look like a new message. Only a
-    *missing* id is refused here; the guard validates the rest (length, characters) in one place.
+    (aiormq does), which would make each producer retry look like a new message. Refused here: a
+    *missing* id, and an id or business id that arrived as bytes that are not UTF-8
+    (``undecodable`` names such headers, :data:`BROKER_MESSAGE_ID` the broker's id): made text
+    with replacement characters, two different ids could become one key. The guard validates the
+    rest (length, characters) in one place.
     """
+    id_source = MESSAGE_ID_HEADER if headers.get(MESSAGE_ID_HEADER) else BROKER_MESSAGE_ID
+    if id_source in undecodable:
+        return None, f"InvalidMessageIdError: {id_source} is not valid UTF-8"
+    if BUSINESS_ID_HEADER in undecodable:
+        return None, f"InvalidBusinessIdError: {BUSINESS_ID_HEADER} is not valid UTF-8"
     message_id = headers.get(MESSAGE_ID_HEADER) or broker_message_id
     if not message_id:
         return None, f"no message id (neither a broker message id nor {MESSAGE_ID_HEADER})"
@@ -75,6 +129,30 @@ def decode(
         delivery_attempt=delivery_attempt,
     )
     return message, None
+
+
+DECLARE_MODES = ("auto", "never")
+
+
+def check_declare_mode(mode: object) -> str:
+    """``auto``: adopt what exists, create only what is missing; ``never``: create nothing (a
+    missing queue, stream or topic is a configuration error). What exists is never changed."""
+    if mode not in DECLARE_MODES:
+        raise ConfigurationError(f"declare must be 'auto' or 'never', got {mode!r}")
+    return str(mode)
+
+
+def split_query(url: str, names: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """``url`` without the query parameters ``names``, and their values (idemq's own options in
+    a URL whose other parameters go to the client library)."""
+    parts = urlsplit(url)
+    kept, ours = [], {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key in names:
+            ours[key] = value
+        else:
+            kept.append((key, value))
+    return urlunsplit(parts._replace(query=urlencode(kept))), ours
 
 
 def outgoing_headers(headers: Mapping[str, str] | None, message_id: str | None) -> dict[str, str]:
@@ -99,7 +177,11 @@ def dead_letter_headers(
 
 @dataclass(frozen=True, slots=True)
 class Received:
-    """The broker-independent part of a delivery, as every adapter builds it."""
+    """The broker-independent part of a delivery, as every adapter builds it.
+
+    ``delivery_attempt`` is idemq's attempt number (1 + the handler runs that failed before),
+    ``not_before_ms`` when a re-published copy is due (0: now).
+    """
 
     queue: str
     body: bytes
@@ -107,6 +189,7 @@ class Received:
     message: Message | None
     decode_error: str | None
     delivery_attempt: int
+    not_before_ms: int = 0
 
     @classmethod
     def build(
@@ -116,13 +199,24 @@ class Received:
         headers: Mapping[str, str],
         *,
         broker_message_id: str | None = None,
-        delivery_attempt: int = 1,
+        undecodable: Collection[str] = (),
     ) -> Received:
-        """Decode ``body``/``headers`` (see :func:`decode`), keeping the raw parts either way."""
+        """Decode ``body``/``headers`` (see :func:`decode`), keeping the raw parts either way.
+
+        The attempt and not-before headers (:func:`take_attempt`) are taken out: they are
+        idemq's bookkeeping, not the producer's headers. The broker's own delivery counter is
+        not the attempt: it also counts outage and lease redeliveries (see ``Retry.counted``).
+        """
+        own = dict(headers)
+        attempt, not_before_ms = take_attempt(own)
         message, error = decode(
-            body, headers, broker_message_id=broker_message_id, delivery_attempt=delivery_attempt
+            body,
+            own,
+            broker_message_id=broker_message_id,
+            delivery_attempt=attempt,
+            undecodable=undecodable,
         )
-        return cls(queue, body, dict(headers), message, error, delivery_attempt)
+        return cls(queue, body, own, message, error, attempt, not_before_ms)
 
 
 class Delivery(abc.ABC):
@@ -139,6 +233,7 @@ class Delivery(abc.ABC):
         self.message = received.message
         self.decode_error = received.decode_error
         self.delivery_attempt = received.delivery_attempt
+        self.not_before_ms = received.not_before_ms
         self._settled_as: str | None = None
         self._lock = threading.Lock()
 
@@ -157,10 +252,27 @@ class Delivery(abc.ABC):
         self._mark("ack")
         return _future(self._ack())
 
-    def retry(self, delay_s: float) -> Future[None]:
-        """Leave the message unacknowledged so the broker delivers it again after ``delay_s``."""
+    def retry(self, delay_s: float, *, counted: bool = False) -> Future[None]:
+        """Have the broker deliver the message again after ``delay_s``.
+
+        ``counted``: the handler ran and failed, so the redelivery is the next attempt
+        (``delivery_attempt`` + 1, carried in :data:`ATTEMPT_HEADER` by a re-published copy);
+        otherwise (an outage, a twin holding the lease) the redelivery keeps this attempt number.
+        """
         self._mark("retry")
-        return _future(self._retry(max(delay_s, 0.0)))
+        return _future(self._retry(max(delay_s, 0.0), counted))
+
+    def retry_headers(self, *, counted: bool, not_before_ms: int | None = None) -> dict[str, str]:
+        """The headers of the copy a retry re-publishes: the original ones, the message id (so a
+        copy never depends on a broker property), idemq's attempt number (bumped when
+        ``counted``) and, when given, the time the copy is due."""
+        out = dict(self.headers)
+        if self.message is not None:
+            out[MESSAGE_ID_HEADER] = self.message.id
+        out[ATTEMPT_HEADER] = str(self.delivery_attempt + 1 if counted else self.delivery_attempt)
+        if not_before_ms is not None:
+            out[NOT_BEFORE_HEADER] = str(not_before_ms)
+        return out
 
     def dead_letter(self, reason: str) -> Future[None]:
         """Move the message to the dead-letter destination with ``reason`` in its headers."""
@@ -172,7 +284,7 @@ class Delivery(abc.ABC):
         if isinstance(settlement, Ack):
             return self.ack()
         if isinstance(settlement, Retry):
-            return self.retry(settlement.delay_s)
+            return self.retry(settlement.delay_s, counted=settlement.counted)
         return self.dead_letter(settlement.reason)
 
     @classmethod
@@ -199,7 +311,7 @@ class Delivery(abc.ABC):
     def _ack(self) -> Future[None] | None: ...
 
     @abc.abstractmethod
-    def _retry(self, delay_s: float) -> Future[None] | None: ...
+    def _retry(self, delay_s: float, counted: bool) -> Future[None] | None: ...
 
     @abc.abstractmethod
     def _dead_letter(self, reason: str) -> Future[None] | None: ...

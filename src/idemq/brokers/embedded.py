@@ -8,7 +8,9 @@ so this file keeps its own, deliberately small:
 * receive = one ``BEGIN IMMEDIATE`` transaction that hides a row until ``now + visibility
   timeout`` and stamps a fresh receipt, so two processes never get the same row at once;
 * a consumer that dies (even SIGKILL) simply never settles: the row becomes visible again when
-  the timeout runs out, with ``attempts`` incremented — the redelivery the guard must absorb;
+  the timeout runs out, with ``attempts`` incremented — the redelivery the guard must absorb
+  (``attempts`` counts receives; idemq's attempt number is the ``idemq-delivery-attempt``
+  header, which only a retry after a failed handler run bumps, in the same UPDATE);
 * ack/retry/dead-letter only act if the receipt still matches: a consumer whose visibility ran
   out cannot ack the copy another consumer now holds;
 * dead letters go to queue ``<queue>.dlq`` in the same file, in the same transaction as the
@@ -169,9 +171,9 @@ class EmbeddedBroker:
                 raise BrokerUnavailableError(f"embedded queue receive failed: {exc}") from exc
         if row is None:
             return None
-        seq, body, headers_json, attempts = row
+        seq, body, headers_json, _receives = row
         headers: dict[str, str] = json.loads(headers_json)
-        received = Received.build(queue, bytes(body), headers, delivery_attempt=attempts + 1)
+        received = Received.build(queue, bytes(body), headers)
         return EmbeddedDelivery(self, received, seq=seq, receipt=receipt)
 
     def _settle(
@@ -225,14 +227,16 @@ class EmbeddedDelivery(Delivery):
     def _ack(self) -> None:
         self._apply("ack", [("DELETE FROM idemq_queue WHERE seq = ?", (self._seq,))])
 
-    def _retry(self, delay_s: float) -> None:
+    def _retry(self, delay_s: float, counted: bool) -> None:
         visible_at_ms = self._broker.now_ms() + int(delay_s * 1000)
+        headers = json.dumps(self.retry_headers(counted=counted))
         self._apply(
             "retry",
             [
                 (
-                    "UPDATE idemq_queue SET visible_at_ms = ?, receipt = NULL WHERE seq = ?",
-                    (visible_at_ms, self._seq),
+                    "UPDATE idemq_queue SET visible_at_ms = ?, headers = ?, receipt = NULL"
+                    " WHERE seq = ?",
+                    (visible_at_ms, headers, self._seq),
                 )
             ],
         )

@@ -5,10 +5,11 @@ Kafka has offsets, not per-message acks, so settlement is built on top:
 * **Commit only after settlement, only contiguously.** A partition's offset is committed up to
   the first delivery not yet settled; a consumer that dies re-reads everything after it (the
   guard turns what was already done into DUPLICATEs). Commits run on the consuming thread.
-* **Retry** = re-publish a copy to the same topic with ``idemq-delivery-attempt`` + 1 and
-  ``idemq-not-before-ms`` = now + delay, then count the original as settled. The consumer holds
-  a copy that is not yet due (uncommitted) and hands it out when it is. A crash between the
-  copy and the commit leaves two copies: the guard absorbs the second.
+* **Retry** = re-publish a copy to the same topic with ``idemq-not-before-ms`` = now + delay and
+  ``idemq-delivery-attempt`` (+ 1 after a failed handler run only: a store outage or a busy
+  lease keeps the number, so it never dead-letters), then count the original as settled. The
+  consumer holds a copy that is not yet due (uncommitted) and hands it out when it is. A crash
+  between the copy and the commit leaves two copies: the guard absorbs the second.
 * **Dead letter** = produce to ``<topic>.dlq`` with the reason headers and wait for delivery.
 * The producer is idempotent (``enable.idempotence``): the broker drops a batch librdkafka
   itself retried. A publish the *application* retries (its delivery report timed out) is a new
@@ -36,17 +37,21 @@ import confluent_kafka
 import confluent_kafka.admin
 from confluent_kafka.admin import AdminClient
 
-from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
+from idemq.brokers.base import (
+    Delivery,
+    Received,
+    dead_letter_headers,
+    header_text,
+    outgoing_headers,
+)
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["KafkaBroker"]
 
 log = logging.getLogger("idemq.brokers")
+client_log = logging.getLogger("idemq.brokers.librdkafka")
 
 NewTopic: Any = confluent_kafka.admin.NewTopic  # type: ignore[attr-defined]  # not in stubs
-
-ATTEMPT_HEADER = "idemq-delivery-attempt"
-NOT_BEFORE_HEADER = "idemq-not-before-ms"
 
 
 def _now_ms() -> int:
@@ -112,7 +117,8 @@ class KafkaBroker:
         self.session_timeout_ms = session_timeout_ms
         self.max_poll_interval_ms = poll_ms
         self._clock_ms = clock_ms
-        self._client = {"bootstrap.servers": bootstrap}
+        # librdkafka's own records (a failed connect every 100 ms) go to logging, not to stderr.
+        self._client: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": client_log}
         if client_id:
             self._client["client.id"] = client_id  # sent in every request: logs, quotas
         self._producer = self._new_producer()
@@ -199,6 +205,15 @@ class KafkaBroker:
             }
         )
         self._consumer = consumer
+        try:
+            # librdkafka retries an unreachable cluster silently, forever: ask for metadata
+            # first, so a worker that cannot reach Kafka says so instead of logging "ready".
+            consumer.list_topics(timeout=self.timeout_s)
+        except confluent_kafka.KafkaException as exc:
+            self._close_consumer()
+            raise BrokerUnavailableError(
+                f"Kafka: no broker at {self.bootstrap} answered within {self.timeout_s}s: {exc}"
+            ) from exc
         consumer.subscribe([queue])
         held: list[tuple[int, int, KafkaDelivery]] = []  # (due_ms, tiebreak, delivery)
         while True:
@@ -277,24 +292,14 @@ class KafkaBroker:
             log.warning("Kafka: commit of %s failed: %s", offsets, exc)
 
     def _delivery(self, queue: str, record: Any) -> KafkaDelivery:
-        headers = {
-            key: (value or b"").decode("utf-8", "replace") for key, value in record.headers() or []
-        }
-        attempt = headers.pop(ATTEMPT_HEADER, "1")
-        not_before = headers.pop(NOT_BEFORE_HEADER, "0")
-        received = Received.build(
-            queue,
-            record.value() or b"",
-            headers,
-            delivery_attempt=int(attempt) if attempt.isdigit() else 1,
-        )
-        return KafkaDelivery(
-            self,
-            received,
-            partition=record.partition(),
-            offset=record.offset(),
-            not_before_ms=int(not_before) if not_before.isdigit() else 0,
-        )
+        headers: dict[str, str] = {}
+        undecodable: list[str] = []
+        for key, value in record.headers() or []:
+            headers[key], is_text = header_text(value or b"")
+            if not is_text:
+                undecodable.append(key)
+        received = Received.build(queue, record.value() or b"", headers, undecodable=undecodable)
+        return KafkaDelivery(self, received, partition=record.partition(), offset=record.offset())
 
     def _produce(
         self, topic: str, body: bytes, headers: Mapping[str, str], key: str | None = None
@@ -326,11 +331,11 @@ class KafkaBroker:
         """Record that ``offset`` may be committed (done on the consuming thread)."""
         self._offsets.settled(queue, partition, offset)
 
-    def requeue(self, delivery: KafkaDelivery, delay_s: float) -> None:
-        """Publish a copy due in ``delay_s`` with the attempt counter bumped."""
-        headers = dict(delivery.headers)
-        headers[ATTEMPT_HEADER] = str(delivery.delivery_attempt + 1)
-        headers[NOT_BEFORE_HEADER] = str(self._clock_ms() + int(delay_s * 1000))
+    def requeue(self, delivery: KafkaDelivery, delay_s: float, counted: bool) -> None:
+        """Publish a copy due in ``delay_s``, the attempt counter bumped when ``counted``."""
+        headers = delivery.retry_headers(
+            counted=counted, not_before_ms=self._clock_ms() + int(delay_s * 1000)
+        )
         key = delivery.message.id if delivery.message else uuid.uuid4().hex
         self._produce(delivery.queue, delivery.body, headers, key=key)
 
@@ -359,19 +364,17 @@ class KafkaDelivery(Delivery):
         *,
         partition: int,
         offset: int,
-        not_before_ms: int,
     ) -> None:
         super().__init__(received)
         self._broker = broker
         self.partition = partition
         self.offset = offset
-        self.not_before_ms = not_before_ms
 
     def _ack(self) -> None:
         self._broker.settled(self.queue, self.partition, self.offset)
 
-    def _retry(self, delay_s: float) -> None:
-        self._broker.requeue(self, delay_s)
+    def _retry(self, delay_s: float, counted: bool) -> None:
+        self._broker.requeue(self, delay_s, counted)
         self._broker.settled(self.queue, self.partition, self.offset)
 
     def _dead_letter(self, reason: str) -> None:

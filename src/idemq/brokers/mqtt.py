@@ -9,8 +9,10 @@ published while it is away are queued for it. So:
   :meth:`MqttBroker.declare` creates that session and subscription, so nothing published
   before the first worker starts is dropped. One consumer per client id (MQTT kicks the older).
 * Headers are MQTT v5 user properties (``idemq-message-id`` …).
-* Retry = publish a copy with ``idemq-delivery-attempt`` + 1 and ``idemq-not-before-ms``, then
-  PUBACK the original; copies not yet due are held unacked by the consumer (a crash → resent).
+* Retry = publish a copy with ``idemq-not-before-ms`` and ``idemq-delivery-attempt`` (+ 1 after a
+  failed handler run only; an outage or a busy lease keeps the number), then PUBACK the
+  original; MQTT's DUP flag is not an attempt either. Copies not yet due are held unacked by
+  the consumer (a crash → resent).
 * Dead letter = publish to ``<topic>.dlq`` (QoS 1, wait for PUBACK), then PUBACK the original.
 """
 
@@ -21,7 +23,6 @@ import queue as queue_module
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import paho.mqtt.client as paho
@@ -34,8 +35,6 @@ from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["MqttBroker"]
 
-ATTEMPT_HEADER = "idemq-delivery-attempt"
-NOT_BEFORE_HEADER = "idemq-not-before-ms"
 SESSION_EXPIRY_S = 7 * 24 * 3600
 
 
@@ -195,23 +194,8 @@ class MqttBroker:
 
     def _delivery(self, client: paho.Client, queue: str, message: paho.MQTTMessage) -> MqttDelivery:
         pairs: list[tuple[str, str]] = getattr(message.properties, "UserProperty", None) or []
-        headers = dict(pairs)
-        attempt = headers.pop(ATTEMPT_HEADER, "")
-        not_before = headers.pop(NOT_BEFORE_HEADER, "0")
-        default_attempt = 2 if message.dup else 1
-        received = Received.build(
-            queue,
-            bytes(message.payload),
-            headers,
-            delivery_attempt=int(attempt) if attempt.isdigit() else default_attempt,
-        )
-        return MqttDelivery(
-            self,
-            received,
-            client=client,
-            mid=message.mid,
-            not_before_ms=int(not_before) if not_before.isdigit() else 0,
-        )
+        received = Received.build(queue, bytes(message.payload), dict(pairs))
+        return MqttDelivery(self, received, client=client, mid=message.mid)
 
     def close(self) -> None:
         """Disconnect every client; unacked QoS 1 messages stay in their sessions."""
@@ -235,13 +219,11 @@ class MqttDelivery(Delivery):
         *,
         client: paho.Client,
         mid: int,
-        not_before_ms: int,
     ) -> None:
         super().__init__(received)
         self._broker = broker
         self._client = client
         self._mid = mid
-        self.not_before_ms = not_before_ms
 
     def _puback(self) -> None:
         result = self._client.ack(self._mid, 1)
@@ -251,10 +233,10 @@ class MqttDelivery(Delivery):
     def _ack(self) -> None:
         self._puback()
 
-    def _retry(self, delay_s: float) -> None:
-        headers: dict[str, Any] = dict(self.headers)
-        headers[ATTEMPT_HEADER] = str(self.delivery_attempt + 1)
-        headers[NOT_BEFORE_HEADER] = str(self._broker.now_ms() + int(delay_s * 1000))
+    def _retry(self, delay_s: float, counted: bool) -> None:
+        headers = self.retry_headers(
+            counted=counted, not_before_ms=self._broker.now_ms() + int(delay_s * 1000)
+        )
         # Copy first, then PUBACK: a crash in between leaves two copies, never none.
         self._broker.publish_with(self._broker._publisher, self.queue, self.body, headers)
         self._puback()

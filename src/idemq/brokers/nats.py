@@ -1,12 +1,20 @@
 """``nats://host:4222``: NATS JetStream through nats-py (on its own loop thread).
 
-* A queue is a stream (named after it, ``.`` → ``_``) capturing subject ``<queue>``, with a
+* A queue is the subject ``<queue>`` of the stream that captures it. **A stream that exists is
+  used as it is** (whatever its name, subjects and settings: idemq never updates it). Only when
+  no stream captures the subject does idemq create one (named after it, ``.`` → ``_``) with a
   ``duplicate_window``: publishes carry ``Nats-Msg-Id``, so a producer retry after a lost PubAck
   is dropped by the server itself (cause 1 of duplicates, absorbed before it reaches us).
+  ``?declare=never``: nothing is created; a subject no stream captures is a
+  :class:`~idemq.ConfigurationError`. ``?dead_letter=SUBJECT`` names the dead-letter subject.
 * Consumers share one durable pull consumer (``group``) with explicit acks and ``ack_wait``:
-  a consumer that dies without acking gets its messages redelivered after AckWait; the server's
-  ``num_delivered`` is ``delivery_attempt``.
-* Retry after a delay = ``NAK`` with a delay (server-side timer). Ack = plain ``+ACK``, queued to
+  a consumer that dies without acking gets its messages redelivered after AckWait. The server's
+  ``num_delivered`` is not the attempt number: it also counts outage and lease redeliveries.
+* Retry after an outage or a busy lease = ``NAK`` with a delay (server-side timer; the attempt
+  number stays). Retry after a failed handler run = publish a copy with
+  ``idemq-delivery-attempt`` + 1 and ``idemq-not-before-ms`` (its ``Nats-Msg-Id`` is
+  ``<id>#attempt-<n>``, so a crash and a second try publish it once), then ack the original;
+  a copy fetched before it is due is NAKed with the time left. Ack = plain ``+ACK``, queued to
   the loop thread (:class:`~._aioloop.AckQueue`) with the others of its burst, then one
   ``flush()`` (PING/PONG): the PONG proves the server received every ack written before it, and a
   broken connection fails the whole burst, counted as settle failures. While messages of the
@@ -25,6 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -37,12 +48,22 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
 
 from idemq.brokers._aioloop import AckQueue, LoopThread
-from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
+from idemq.brokers.base import (
+    ATTEMPT_HEADER,
+    Delivery,
+    Received,
+    check_declare_mode,
+    dead_letter_headers,
+    outgoing_headers,
+)
+from idemq.drivers.urls import mask_url
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["NatsBroker"]
 
 NATS_MSG_ID = "Nats-Msg-Id"
+log = logging.getLogger("idemq.brokers")
+
 _DRIVER_ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
 
 
@@ -63,21 +84,56 @@ class NatsBroker:
         max_deliver: int = -1,
         duplicate_window_s: float = 120.0,
         timeout_s: float = 10.0,
+        declare: str = "auto",
+        dead_letter: str | None = None,
     ) -> None:
         self.url = url
+        self.declare_mode = check_declare_mode(declare)
+        self.dead_letter = dead_letter
+        self._streams: dict[str, str] = {}  # subject → the stream that captures it
         self.group = group
         self.ack_wait_s = ack_wait_s
         self.max_deliver = max_deliver
         self.duplicate_window_s = duplicate_window_s
         self.timeout_s = timeout_s
         self._loop = LoopThread("idemq-nats")
+        self._last_error: Exception | None = None
+        self._connected = False
         try:
-            self._nc = self._call(nats.connect(url, connect_timeout=timeout_s))
-        except BrokerUnavailableError:
+            # nats-py keeps retrying a refused connect; wait_for ends it inside the loop, so the
+            # task is cancelled and awaited there rather than left pending when the loop stops.
+            # nats-py takes whole seconds: a sub-second timeout must not become 0 (no time at all).
+            connect = nats.connect(
+                url, connect_timeout=max(1, math.ceil(timeout_s)), error_cb=self._on_error
+            )
+            self._nc = self._call(asyncio.wait_for(connect, timeout_s))
+        except BrokerUnavailableError as exc:
             self._loop.stop()
-            raise
+            raise self._refusal(exc) from exc
+        self._connected = True
         self._js = self._nc.jetstream(timeout=timeout_s)
         self._settler = AckQueue(self._loop, "NATS", confirm=lambda: self._nc.flush(timeout_s))
+
+    async def _on_error(self, error: Exception) -> None:
+        # nats-py reports every failed attempt here (by default with a traceback each). While
+        # connecting, the worker's one line per attempt says it; once running, one line here.
+        self._last_error = error
+        level = logging.WARNING if self._connected else logging.DEBUG
+        log.log(level, "NATS %s: %s: %s", mask_url(self.url), type(error).__name__, error)
+
+    def _refusal(self, exc: BrokerUnavailableError) -> Exception:
+        """What a failed connect was: a refused authorization is a configuration error (no
+        retry helps), anything else an outage, named by the client's last error."""
+        last = self._last_error
+        if isinstance(last, nats.errors.AuthorizationError):
+            return ConfigurationError(
+                f"NATS refused the connection to {mask_url(self.url)}: {last}"
+            )
+        if last is None:
+            return exc
+        return BrokerUnavailableError(
+            f"NATS: cannot connect to {mask_url(self.url)}: {type(last).__name__}: {last}"
+        )
 
     @classmethod
     def from_url(cls, url: str) -> NatsBroker:
@@ -92,6 +148,8 @@ class NatsBroker:
                 ack_wait_s=float(query.get("ack_wait_s", "30")),
                 max_deliver=int(query.get("max_deliver", "-1")),
                 duplicate_window_s=float(query.get("duplicate_window_s", "120")),
+                declare=query.get("declare", "auto"),
+                dead_letter=query.get("dead_letter"),
             )
         except ValueError as exc:
             raise ConfigurationError(f"bad number in NATS URL {url!r}") from exc
@@ -103,22 +161,47 @@ class NatsBroker:
             raise BrokerUnavailableError(f"NATS: {type(exc).__name__}: {exc}") from exc
 
     def dead_letter_queue(self, queue: str) -> str:
-        """Subject ``<queue>.dlq`` (stream ``<queue>_dlq``)."""
-        return f"{queue}.dlq"
+        """``dead_letter`` if given, else subject ``<queue>.dlq`` (stream ``<queue>_dlq`` when
+        idemq creates it)."""
+        return self.dead_letter or f"{queue}.dlq"
 
-    async def _declare(self, subject: str) -> None:
-        config = StreamConfig(
-            name=stream_name(subject),
-            subjects=[subject],
-            duplicate_window=self.duplicate_window_s,
-        )
+    async def _declare(self, subject: str) -> str:
+        """The stream capturing ``subject``: the one that exists, else one made for it."""
+        if subject in self._streams:
+            return self._streams[subject]
+        stream = await self._captured_by(subject)
+        if stream is None:
+            if self.declare_mode == "never":
+                raise ConfigurationError(
+                    f"no JetStream stream captures subject {subject!r}"
+                    " (declare=never: idemq creates nothing)"
+                )
+            stream = stream_name(subject)
+            config = StreamConfig(
+                name=stream, subjects=[subject], duplicate_window=self.duplicate_window_s
+            )
+            try:
+                await self._js.add_stream(config)
+            except nats.js.errors.BadRequestError as exc:
+                # Made meanwhile by another worker with the same config is not an error; a name
+                # taken by a stream of other subjects, or subjects overlapping another's, is.
+                if await self._captured_by(subject) != stream:
+                    raise ConfigurationError(
+                        f"cannot create JetStream stream {stream!r} for {subject!r}: {exc}"
+                    ) from exc
+        self._streams[subject] = stream
+        return stream
+
+    async def _captured_by(self, subject: str) -> str | None:
         try:
-            await self._js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await self._js.update_stream(config)
+            name: str = await self._js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return name
 
     def declare(self, queue: str) -> None:
-        """Create (or update) the queue's stream and its dead-letter stream."""
+        """Adopt the streams capturing the queue's subject and its dead-letter subject,
+        creating one for a subject no stream captures."""
 
         async def both() -> None:
             await self._declare(queue)
@@ -131,6 +214,7 @@ class NatsBroker:
 
         async def both() -> None:
             for subject in (queue, self.dead_letter_queue(queue)):
+                self._streams.pop(subject, None)
                 with contextlib.suppress(nats.js.errors.NotFoundError):
                     await self._js.delete_stream(stream_name(subject))
 
@@ -161,13 +245,15 @@ class NatsBroker:
             filter_subject=queue,
         )
         subscription = self._call(
-            self._js.pull_subscribe(queue, durable, stream=stream_name(queue), config=config)
+            self._js.pull_subscribe(queue, durable, stream=self._streams[queue], config=config)
         )
 
         async def fetch() -> list[Msg]:
             try:
                 messages: list[Msg] = await subscription.fetch(prefetch, timeout=0.2)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats.errors.TimeoutError is one too
+                # nats-py also raises a plain (asyncio) TimeoutError when a pull for several
+                # messages expires (seen once messages were NAKed with a delay): nothing came.
                 return []
             return messages
 
@@ -180,18 +266,19 @@ class NatsBroker:
                 backlog = _Backlog(len(messages))
                 for message in messages:
                     backlog.left -= 1
-                    yield self._delivery(queue, message, backlog)
+                    delivery = self._delivery(queue, message, backlog)
+                    early_s = (delivery.not_before_ms - time.time_ns() // 1_000_000) / 1000
+                    if early_s > 0:
+                        delivery.retry(early_s)  # a copy not yet due: no handler run, no attempt
+                        continue
+                    yield delivery
         finally:
             self._settler.flush()
 
     def _delivery(self, queue: str, message: Msg, backlog: _Backlog) -> NatsDelivery:
         headers = dict(message.headers or {})
         received = Received.build(
-            queue,
-            message.data,
-            headers,
-            broker_message_id=headers.get(NATS_MSG_ID),
-            delivery_attempt=message.metadata.num_delivered or 1,
+            queue, message.data, headers, broker_message_id=headers.get(NATS_MSG_ID)
         )
         return NatsDelivery(self, received, message, backlog)
 
@@ -218,9 +305,9 @@ class NatsBroker:
         """Queue a settlement on the loop (see :class:`~._aioloop.AckQueue`); do not wait."""
         return self._settler.submit(action, hold=hold)
 
-    async def publish_dead_letter(self, queue: str, body: bytes, headers: dict[str, str]) -> None:
-        """Publish to ``<queue>.dlq`` and wait for the PubAck (runs on the loop)."""
-        await self._js.publish(self.dead_letter_queue(queue), body, headers=headers)
+    async def publish_copy(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
+        """Publish to ``subject`` and wait for the PubAck (runs on the loop)."""
+        await self._js.publish(subject, body, headers=headers)
 
 
 class _Backlog:
@@ -246,10 +333,24 @@ class NatsDelivery(Delivery):
     def _ack(self) -> Future[None]:
         return self._broker.settle_soon(self._message.ack, hold=self._backlog.left > 0)
 
-    def _retry(self, delay_s: float) -> Future[None]:
-        return self._broker.settle_soon(
-            lambda: self._message.nak(delay=delay_s or None), hold=self._backlog.left > 0
-        )
+    def _retry(self, delay_s: float, counted: bool) -> Future[None] | None:
+        if not counted:
+            return self._broker.settle_soon(
+                lambda: self._message.nak(delay=delay_s or None), hold=self._backlog.left > 0
+            )
+        not_before_ms = time.time_ns() // 1_000_000 + int(delay_s * 1000)
+        headers = self.retry_headers(counted=True, not_before_ms=not_before_ms)
+        if self.message is not None:
+            headers[NATS_MSG_ID] = f"{self.message.id}#attempt-{headers[ATTEMPT_HEADER]}"
+
+        async def next_attempt() -> None:
+            # The copy first (PubAck), then the ack: a crash between leaves the original, whose
+            # next failure publishes the same Nats-Msg-Id again, which the server drops.
+            await self._broker.publish_copy(self.queue, self.body, headers)
+            await self._message.ack()
+
+        self._broker.settle(next_attempt())
+        return None
 
     def _dead_letter(self, reason: str) -> None:
         headers = dead_letter_headers(
@@ -260,7 +361,9 @@ class NatsDelivery(Delivery):
         headers.pop(NATS_MSG_ID, None)
 
         async def move() -> None:
-            await self._broker.publish_dead_letter(self.queue, self.body, headers)
+            await self._broker.publish_copy(
+                self._broker.dead_letter_queue(self.queue), self.body, headers
+            )
             await self._message.term()
 
         self._broker.settle(move())

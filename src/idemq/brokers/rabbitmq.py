@@ -1,18 +1,29 @@
 """``amqp://user:pass@host:5672/vhost``: RabbitMQ through aio-pika (on its own loop thread).
 
-* Queues are **quorum** queues: they count deliveries (``x-delivery-count``), which gives
-  ``delivery_attempt`` and so ``max_attempts``; classic queues only say "redelivered".
-* Each queue is declared with a native **DLX** (default exchange → ``<queue>.dlq``), so messages
+* **A queue that exists is used as it is**, whatever its type and arguments (a passive declare
+  looks first; idemq never redeclares it, so an application's classic queue without a DLX
+  works). Only a queue that is missing is created (``?declare=never``: nothing is created, a
+  missing queue is a :class:`~idemq.ConfigurationError`). Queues idemq creates are **quorum**
+  queues (replicated, with a DLX). ``x-delivery-count`` is *not* the attempt number: it also
+  counts the redeliveries a store outage or a lease held by a twin caused, and those must never
+  dead-letter a message. idemq's attempt number travels in the ``idemq-delivery-attempt``
+  header instead (see the retries below), on classic queues as on quorum ones.
+* Dead letters go to ``<queue>.dlq`` (``?dead_letter=NAME`` names another queue), created if
+  missing. A queue idemq creates has it as its native **DLX** (default exchange), so messages
   the broker itself dead-letters land next to ours. Our own dead letters are published there
   with the reason headers (confirmed) *then* acked: a crash between the two leaves a duplicate
-  in the DLQ, never a loss. RabbitMQ's DLX cannot add a reason, hence the explicit publish.
+  in the DLQ, never a loss — with or without a DLX on the queue. RabbitMQ's DLX cannot add a
+  reason, hence the explicit publish.
 * No ``x-delivery-limit``: redeliveries of IN_PROGRESS and store-outage messages must not
   count towards a limit (RabbitMQ 4 defaults it to 20 — set the policy off there).
 * The id is the AMQP ``message_id`` property, else the ``idemq-message-id`` header. Producers
   must set it to a stable value: aio-pika/aiormq stamp a *random* ``message_id`` on any publish
   without one, so a retried publish would look like a new message (:mod:`.publish` sets it).
-* Retry after a delay = keep the message unacked, nack(requeue) when the timer fires; if the
-  connection drops first RabbitMQ requeues it anyway.
+* Retry after a delay = keep the message unacked until the timer fires, then: after an outage
+  or a busy lease, ``nack(requeue)`` (the same message, the same attempt number); after a failed
+  handler run, publish a copy with ``idemq-delivery-attempt`` + 1 (confirmed) and ack the
+  original — a crash in between leaves two copies, which the guard absorbs, never none. If the
+  connection drops first, RabbitMQ requeues the original anyway.
 * Acks (and immediate nacks) are queued to the loop thread (:class:`~._aioloop.AckQueue`) rather
   than waited for one by one; AMQP has no reply to an ack anyway (the frame is written, that is
   all a client ever knows). While prefetched deliveries wait in the consumer's inbox, acks are
@@ -30,14 +41,26 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
+import aiormq.abc
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
 from idemq.brokers._aioloop import AckQueue, Inbox, LoopThread
-from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
-from idemq.errors import BrokerUnavailableError
+from idemq.brokers.base import (
+    ATTEMPT_HEADER,
+    NOT_BEFORE_HEADER,
+    Delivery,
+    Received,
+    check_declare_mode,
+    dead_letter_headers,
+    header_text,
+    outgoing_headers,
+    split_query,
+)
+from idemq.errors import BrokerError, BrokerUnavailableError, ConfigurationError
 
 __all__ = ["RabbitMQBroker"]
 
@@ -51,6 +74,34 @@ _DRIVER_ERRORS = (
     OSError,
     asyncio.TimeoutError,
 )
+
+
+# What RabbitMQ answers a connection it will never accept as configured (retrying cannot help):
+# a refused login, or an unknown or forbidden vhost: RabbitMQ closes the connection (530
+# NOT_ALLOWED) in the middle of the handshake, which aiormq reports as an unexpected frame.
+_REFUSALS = (
+    aiormq.exceptions.AuthenticationError,
+    aiormq.exceptions.ProbableAuthenticationError,
+    aiormq.exceptions.InvalidFrameError,
+)
+
+
+def _refusal(exc: Exception, url: str) -> Exception:
+    """The idemq error for a refused connection: :class:`ConfigurationError` when RabbitMQ said
+    no to the credentials or the vhost, :class:`BrokerUnavailableError` otherwise."""
+    if isinstance(
+        exc, aiormq.exceptions.AuthenticationError | aiormq.exceptions.ProbableAuthenticationError
+    ):
+        return ConfigurationError(
+            f"RabbitMQ refused the login (check the URL's user and password): {exc}"
+        )
+    if "Connection.Close" in str(exc):
+        vhost = unquote(urlsplit(url).path.removeprefix("/")) or "/"
+        return ConfigurationError(
+            f"RabbitMQ closed the connection at login: vhost {vhost!r} does not exist"
+            " or the user may not use it"
+        )
+    return BrokerUnavailableError(f"RabbitMQ: {type(exc).__name__}: {exc}")
 
 
 AMQP_MESSAGE_ID_MAX_BYTES = 255  # message-id is an AMQP short string
@@ -72,32 +123,55 @@ def _amqp_message_id(message_id: str | None) -> str | None:
     return message_id
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+def _amqp_value(value: Any) -> Any:
+    """A received header value as one pamqp can send again: a long string that was not UTF-8
+    arrives as ``bytes``, which pamqp refuses to encode; as ``bytearray`` it goes out as an
+    AMQP byte array with the same bytes (nested tables and arrays alike)."""
+    if isinstance(value, bytes):
+        return bytearray(value)
+    if isinstance(value, dict):
+        return {key: _amqp_value(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_amqp_value(item) for item in value]
+    return value
 
 
 class RabbitMQBroker:
     """One robust connection; a confirming channel for publishes, one channel per consumer."""
 
-    def __init__(self, url: str, *, confirm_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        confirm_timeout_s: float = 10.0,
+        declare: str = "auto",
+        dead_letter: str | None = None,
+    ) -> None:
         self.url = url
         self.confirm_timeout_s = confirm_timeout_s
+        self.declare_mode = check_declare_mode(declare)
+        self.dead_letter = dead_letter
         self._loop = LoopThread("idemq-amqp")
         self._settler = AckQueue(self._loop, "RabbitMQ")
-        self._declared: set[str] = set()
         try:
             self._connection, self._channel = self._call(self._connect())
-        except BrokerUnavailableError:
+        except (BrokerUnavailableError, ConfigurationError):
             self._loop.stop()
             raise
 
     @classmethod
     def from_url(cls, url: str) -> RabbitMQBroker:
-        """Connect to the broker at ``url`` (an AMQP URL)."""
-        return cls(url)
+        """Connect to the broker at ``url`` (an AMQP URL). idemq's own parameters,
+        ``declare=auto|never`` and ``dead_letter=NAME``, are taken out of its query; the rest
+        (``heartbeat=…`` and the like) goes to aio-pika."""
+        plain, ours = split_query(url, ("declare", "dead_letter"))
+        return cls(plain, declare=ours.get("declare", "auto"), dead_letter=ours.get("dead_letter"))
 
     async def _connect(self) -> tuple[AbstractRobustConnection, AbstractChannel]:
-        connection = await aio_pika.connect_robust(self.url)
+        try:
+            connection = await aio_pika.connect_robust(self.url)
+        except _REFUSALS as exc:
+            raise _refusal(exc, self.url) from exc
         channel = await connection.channel(publisher_confirms=True)
         return connection, channel
 
@@ -108,25 +182,63 @@ class RabbitMQBroker:
             raise BrokerUnavailableError(f"RabbitMQ: {type(exc).__name__}: {exc}") from exc
 
     def dead_letter_queue(self, queue: str) -> str:
-        """``<queue>.dlq``, bound as the queue's DLX target."""
-        return f"{queue}.dlq"
+        """``dead_letter`` if given, else ``<queue>.dlq`` (the DLX target of queues idemq
+        creates)."""
+        return self.dead_letter or f"{queue}.dlq"
+
+    async def _exists(self, queue: str) -> bool:
+        """Whether ``queue`` exists (a passive declare, on a channel of its own: RabbitMQ
+        closes the channel that asked about a missing queue)."""
+        channel = await self._connection.channel()
+        try:
+            await channel.declare_queue(queue, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
+        except (
+            aiormq.exceptions.ChannelAccessRefused,
+            aiormq.exceptions.ChannelLockedResource,
+        ) as exc:
+            raise ConfigurationError(f"RabbitMQ queue {queue!r} cannot be used: {exc}") from exc
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        return True
+
+    async def _adopt_or_create(
+        self, channel: AbstractChannel, queue: str, arguments: dict[str, Any]
+    ) -> aio_pika.abc.AbstractQueue:
+        if await self._exists(queue):
+            return await channel.declare_queue(queue, passive=True)
+        if self.declare_mode == "never":
+            raise ConfigurationError(
+                f"RabbitMQ queue {queue!r} does not exist (declare=never: idemq creates nothing)"
+            )
+        try:
+            return await channel.declare_queue(queue, durable=True, arguments=arguments or None)
+        except (
+            aio_pika.exceptions.ChannelPreconditionFailed,
+            aiormq.exceptions.ChannelAccessRefused,
+        ) as exc:  # made meanwhile with other arguments, or not ours to make
+            raise ConfigurationError(f"RabbitMQ queue {queue!r} cannot be used: {exc}") from exc
 
     async def _declare(self, channel: AbstractChannel, queue: str) -> aio_pika.abc.AbstractQueue:
-        if queue.endswith(".dlq"):
-            return await channel.declare_queue(queue, durable=True)
-        await channel.declare_queue(self.dead_letter_queue(queue), durable=True)
-        return await channel.declare_queue(
+        dead = self.dead_letter_queue(queue)
+        if queue == dead or queue.endswith(".dlq"):  # consuming the dead letters themselves
+            return await self._adopt_or_create(channel, queue, {})
+        await self._adopt_or_create(channel, dead, {})
+        return await self._adopt_or_create(
+            channel,
             queue,
-            durable=True,
-            arguments={
+            {
                 "x-queue-type": "quorum",
                 "x-dead-letter-exchange": "",
-                "x-dead-letter-routing-key": self.dead_letter_queue(queue),
+                "x-dead-letter-routing-key": dead,
             },
         )
 
     def declare(self, queue: str) -> None:
-        """Declare ``queue`` (quorum, with DLX) and ``<queue>.dlq``."""
+        """Adopt ``queue`` and its dead-letter queue as they are, creating what is missing
+        (``queue`` as a quorum queue whose DLX is the dead-letter queue)."""
         self._call(self._declare(self._channel, queue))
 
     def delete_queue(self, queue: str) -> None:
@@ -146,7 +258,12 @@ class RabbitMQBroker:
         headers: Mapping[str, str] | None = None,
         message_id: str | None = None,
     ) -> None:
-        """Publish persistently through the default exchange and wait for the confirm."""
+        """Publish persistently through the default exchange and wait for the confirm.
+
+        The publish is ``mandatory``: a message no queue takes (``queue`` not declared yet) is
+        returned by RabbitMQ instead of dropped, and raised here as :class:`BrokerError`
+        (not an outage: publishing it again would meet the same fate).
+        """
         all_headers: dict[str, Any] = dict(outgoing_headers(headers, message_id))
         message = aio_pika.Message(
             body,
@@ -154,11 +271,18 @@ class RabbitMQBroker:
             message_id=_amqp_message_id(message_id),
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
-        self._call(
+        answer = self._call(
             self._channel.default_exchange.publish(
-                message, routing_key=queue, timeout=self.confirm_timeout_s
+                message, routing_key=queue, mandatory=True, timeout=self.confirm_timeout_s
             )
         )
+        # With confirms, aio_pika answers a returned (unroutable) message with the message
+        # itself instead of the broker's Basic.Ack.
+        if isinstance(answer, aiormq.abc.DeliveredMessage):
+            raise BrokerError(
+                f"RabbitMQ returned the message: no queue {queue!r} to route it to"
+                " (declare the queue, or start its worker, before publishing)"
+            )
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
         """Push-consume ``queue`` with ``prefetch`` unacked messages at most."""
@@ -189,15 +313,18 @@ class RabbitMQBroker:
     def _delivery(
         self, queue: str, message: AbstractIncomingMessage, inbox: Inbox[Delivery]
     ) -> RabbitMQDelivery:
-        headers = {key: _text(value) for key, value in (message.headers or {}).items()}
-        count = headers.get("x-delivery-count", "0")
-        attempt = int(count) + 1 if count.isdigit() else 1
+        headers: dict[str, str] = {}
+        undecodable: list[str] = []
+        for key, value in (message.headers or {}).items():
+            headers[key], is_text = header_text(value)
+            if not is_text:
+                undecodable.append(key)
         received = Received.build(
             queue,
             message.body,
             headers,
             broker_message_id=message.message_id,
-            delivery_attempt=attempt,
+            undecodable=undecodable,
         )
         return RabbitMQDelivery(self, received, message, inbox)
 
@@ -224,14 +351,15 @@ class RabbitMQBroker:
         """Queue a settlement on the loop (see :class:`~._aioloop.AckQueue`); do not wait."""
         return self._settler.submit(action, hold=hold)
 
-    def settle_later(self, delay_s: float, message: AbstractIncomingMessage) -> None:
-        """nack(requeue) after ``delay_s``; the message stays unacked (invisible) until then."""
-        self._loop.call_later(delay_s, lambda: message.nack(requeue=True))
+    def settle_later(self, delay_s: float, action: Callable[[], Awaitable[object]]) -> None:
+        """Run ``action`` on the loop after ``delay_s``; the message stays unacked (invisible)
+        until then."""
+        self._loop.call_later(delay_s, action)
 
-    async def publish_dead_letter(
-        self, queue: str, body: bytes, headers: Mapping[str, str], message_id: str | None
+    async def publish_copy(
+        self, routing_key: str, body: bytes, headers: Mapping[str, Any], message_id: str | None
     ) -> None:
-        """Publish to ``<queue>.dlq`` and wait for the confirm (runs on the loop)."""
+        """Publish persistently to ``routing_key`` and wait for the confirm (runs on the loop)."""
         message = aio_pika.Message(
             body,
             headers=dict(headers),
@@ -239,7 +367,7 @@ class RabbitMQBroker:
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         await self._channel.default_exchange.publish(
-            message, routing_key=self.dead_letter_queue(queue), timeout=self.confirm_timeout_s
+            message, routing_key=routing_key, timeout=self.confirm_timeout_s
         )
 
 
@@ -258,28 +386,57 @@ class RabbitMQDelivery(Delivery):
         self._message = message
         self._inbox = inbox
 
+    def _original_headers(self) -> dict[str, Any]:
+        """The headers as the producer sent them, their AMQP types kept (bytes that are not
+        UTF-8 included), without the broker's delivery count and idemq's attempt bookkeeping:
+        what a copy of this message carries on."""
+        raw = {key: _amqp_value(value) for key, value in (self._message.headers or {}).items()}
+        for name in ("x-delivery-count", ATTEMPT_HEADER, NOT_BEFORE_HEADER):
+            raw.pop(name, None)
+        return raw
+
     def _ack(self) -> Future[None]:
         return self._broker.settle_soon(self._message.ack, hold=self._inbox.backlog())
 
-    def _retry(self, delay_s: float) -> Future[None] | None:
-        if delay_s <= 0:
-            return self._broker.settle_soon(
-                lambda: self._message.nack(requeue=True), hold=self._inbox.backlog()
-            )
-        self._broker.settle_later(delay_s, self._message)
+    def _retry(self, delay_s: float, counted: bool) -> Future[None] | None:
+        action = self._next_attempt if counted else self._requeue
+        if delay_s <= 0 and not counted:
+            return self._broker.settle_soon(action, hold=self._inbox.backlog())
+        self._broker.settle_later(delay_s, action)
         return None
 
+    async def _requeue(self) -> None:
+        await self._message.nack(requeue=True)
+
+    async def _next_attempt(self) -> None:
+        """The copy carrying the next attempt number (confirmed), then the original's ack."""
+        headers: dict[str, Any] = self.retry_headers(counted=True)
+        headers.update(self._original_headers())
+        message_id = self.message.id if self.message else None
+        try:
+            await self._broker.publish_copy(self.queue, self.body, headers, message_id)
+        except Exception:
+            # Not lost: the original goes back as it is (this attempt number, tried again).
+            log.exception("re-publishing %s for its next attempt failed; requeued", self.describe())
+            await self._message.nack(requeue=True)
+            return
+        await self._message.ack()
+
     def _dead_letter(self, reason: str) -> None:
-        headers = dead_letter_headers(
-            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
+        headers: dict[str, Any] = self._original_headers()
+        headers.update(
+            dead_letter_headers(
+                {}, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
+            )
         )
-        headers.pop("x-delivery-count", None)
         message_id = self.message.id if self.message else None
 
         async def move() -> None:
             # Publish (confirmed) before ack: a crash in between duplicates, never loses.
             try:
-                await self._broker.publish_dead_letter(self.queue, self.body, headers, message_id)
+                await self._broker.publish_copy(
+                    self._broker.dead_letter_queue(self.queue), self.body, headers, message_id
+                )
             except Exception:
                 # Never left unsettled (it would hold a prefetch slot for good): back to the
                 # queue, to be dead-lettered again, and the failure in the log.

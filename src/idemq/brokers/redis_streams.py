@@ -4,11 +4,19 @@
 * Consumers read with ``XREADGROUP``; an entry stays in the group's pending list until XACK.
 * A consumer that died leaves its entries pending: every poll first runs ``XAUTOCLAIM`` for
   entries idle longer than ``claim_idle_ms``, so they are redelivered to a live consumer (the
-  delivery counter Redis keeps becomes ``delivery_attempt``).
-* Retry after a delay: the entry stays pending, and ``XCLAIM … IDLE`` rewinds its idle time so
-  XAUTOCLAIM picks it up after ``delay_s`` (JUSTID: the attempt counter is not bumped twice).
+  delivery counter Redis keeps is not the attempt number: it counts outage redeliveries too).
+* Retry after an outage or a busy lease: the entry stays pending, and ``XCLAIM … IDLE`` rewinds
+  its idle time so XAUTOCLAIM picks it up after ``delay_s`` (the attempt number stays).
+  Retry after a failed handler run: ``XADD`` a copy with ``idemq-delivery-attempt`` + 1 and
+  ``idemq-not-before-ms``, and ``XACK`` the original, in one MULTI/EXEC; a copy read before it
+  is due is put back the first way, for the time left.
 * Dead letter: ``XADD <stream>.dlq`` and ``XACK`` in one MULTI/EXEC — moved, never lost nor
-  duplicated.
+  duplicated. On a Redis Cluster a MULTI can only touch one hash slot: a queue named with a
+  hash tag (``{orders}``, whose dead letters go to ``{orders}.dlq``) keeps the move atomic;
+  for any other name the XADD comes first and the XACK second, so a crash in between leaves
+  the entry pending and it may reach the dead-letter stream twice, never zero times.
+* Cluster: ``redis://host:port?cluster=true`` (or a ``redis.cluster.RedisCluster`` passed in);
+  every command of a queue is on one stream key, so redis-py routes it to that key's master.
 * Acks are held and sent together: one ``XACK`` per stream with every held entry id, before the
   next read, once ``ACK_BATCH`` are held (a batch's acks at once) and on ``close()`` — one round
   trip instead of one per message. An ack held when the process dies is a pending entry like
@@ -21,6 +29,7 @@ import json
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -28,16 +37,32 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
+import redis.exceptions as rx
 
-from idemq.brokers.base import Delivery, Received, dead_letter_headers
+from idemq.brokers.base import (
+    BROKER_MESSAGE_ID,
+    Delivery,
+    Received,
+    dead_letter_headers,
+    header_text,
+)
 from idemq.brokers.settlement import Ack, Settlement
-from idemq.drivers.redis import redis_client
+from idemq.drivers.redis import AnyRedis, is_cluster, key_slot, redis_client
 from idemq.drivers.urls import mask_url
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["RedisStreamsBroker"]
 
-_DRIVER_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# Cannot reach the server, or (Cluster) its slot is moving or has no master yet: retry later.
+_DRIVER_ERRORS = (
+    rx.ConnectionError,
+    rx.TimeoutError,
+    rx.ClusterDownError,
+    rx.TryAgainError,
+    rx.AskError,
+    rx.ClusterError,
+    rx.SlotNotCoveredError,
+)
 
 # Held acks go out once this many are held, if no read came first (a batch of 100: at once).
 ACK_BATCH = 100
@@ -48,7 +73,7 @@ class RedisStreamsBroker:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: AnyRedis,
         *,
         group: str = "idemq",
         claim_idle_ms: int = 30_000,
@@ -64,7 +89,8 @@ class RedisStreamsBroker:
 
     @classmethod
     def from_url(cls, url: str) -> RedisStreamsBroker:
-        """``redis://host:port/db?group=idemq&claim_idle_ms=30000``."""
+        """``redis://host:port/db?group=idemq&claim_idle_ms=30000`` (``&cluster=true``: a Redis
+        Cluster reached through that node)."""
         parts = urlsplit(url)
         query = parse_qs(parts.query)
         try:
@@ -119,7 +145,12 @@ class RedisStreamsBroker:
                 deliveries = self._read_new(queue, consumer, prefetch)
             if not deliveries:
                 yield None
-            yield from deliveries
+            for delivery in deliveries:
+                early_s = (delivery.not_before_ms - time.time_ns() // 1_000_000) / 1000
+                if early_s > 0:
+                    delivery.retry(early_s)  # a copy not yet due: no handler run, no attempt
+                    continue
+                yield delivery
 
     def close(self) -> None:
         """Send the held acks, close the connection pool; pending entries are reclaimed by other
@@ -171,18 +202,10 @@ class RedisStreamsBroker:
         reply = self._call(
             self.client.xautoclaim, queue, self.group, consumer, self.claim_idle_ms, "0-0", count
         )
-        entries = [(entry_id, fields) for entry_id, fields in reply[1] if fields]
-        if not entries:
-            return []
-        counts = {}
-        for entry_id, _ in entries:
-            pending = self._call(
-                self.client.xpending_range, queue, self.group, entry_id, entry_id, 1
-            )
-            counts[entry_id] = pending[0]["times_delivered"] if pending else 1
         return [
-            self._delivery(queue, consumer, entry_id, fields, counts[entry_id])
-            for entry_id, fields in entries
+            self._delivery(queue, consumer, entry_id, fields)
+            for entry_id, fields in reply[1]
+            if fields
         ]
 
     def _read_new(self, queue: str, consumer: str, count: int) -> list[Delivery]:
@@ -197,11 +220,11 @@ class RedisStreamsBroker:
         if not reply:
             return []
         return [
-            self._delivery(queue, consumer, entry_id, fields, 1) for entry_id, fields in reply[0][1]
+            self._delivery(queue, consumer, entry_id, fields) for entry_id, fields in reply[0][1]
         ]
 
     def _delivery(
-        self, queue: str, consumer: str, entry_id: bytes, fields: dict[bytes, bytes], attempt: int
+        self, queue: str, consumer: str, entry_id: bytes, fields: dict[bytes, bytes]
     ) -> RedisStreamsDelivery:
         body = fields.get(b"body", b"")
         try:
@@ -209,12 +232,13 @@ class RedisStreamsBroker:
         except (ValueError, AttributeError):
             headers = {}
         raw_id = fields.get(b"id")
+        broker_id, is_text = header_text(raw_id) if raw_id else (None, True)
         received = Received.build(
             queue,
             body,
             headers,
-            broker_message_id=raw_id.decode("utf-8", "replace") if raw_id else None,
-            delivery_attempt=attempt,
+            broker_message_id=broker_id,
+            undecodable=() if is_text else (BROKER_MESSAGE_ID,),
         )
         return RedisStreamsDelivery(self, received, entry_id=entry_id, consumer=consumer)
 
@@ -256,8 +280,17 @@ class RedisStreamsDelivery(Delivery):
     def _ack(self) -> Future[None]:
         return self._broker.ack_entries(self.queue, [self._entry_id])
 
-    def _retry(self, delay_s: float) -> None:
+    def _retry(self, delay_s: float, counted: bool) -> None:
         b = self._broker
+        if counted:
+            not_before_ms = time.time_ns() // 1_000_000 + int(delay_s * 1000)
+            headers = self.retry_headers(counted=True, not_before_ms=not_before_ms)
+            message_id = self.message.id if self.message else None
+            pipe = b.client.pipeline(transaction=True)  # MULTI/EXEC: the copy replaces it
+            pipe.xadd(self.queue, _fields(self.body, headers, message_id))
+            pipe.xack(self.queue, b.group, self._entry_id)
+            b._call(pipe.execute)
+            return
         idle_ms = max(b.claim_idle_ms - int(delay_s * 1000), 0)
         b._call(
             b.client.xclaim,
@@ -276,7 +309,15 @@ class RedisStreamsDelivery(Delivery):
             self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
         )
         message_id = self.message.id if self.message else None
+        dlq = b.dead_letter_queue(self.queue)
+        fields = _fields(self.body, headers, message_id)
+        if is_cluster(b.client) and key_slot(dlq) != key_slot(self.queue):
+            # Two slots, two masters: no MULTI spans them. Add first, then ack, so a crash in
+            # between redelivers the entry (dead-lettered again) rather than loses it.
+            b._call(b.client.xadd, dlq, fields)
+            b._call(b.client.xack, self.queue, b.group, self._entry_id)
+            return
         pipe = b.client.pipeline(transaction=True)  # MULTI/EXEC: move atomically
-        pipe.xadd(b.dead_letter_queue(self.queue), _fields(self.body, headers, message_id))
+        pipe.xadd(dlq, fields)
         pipe.xack(self.queue, b.group, self._entry_id)
         b._call(pipe.execute)

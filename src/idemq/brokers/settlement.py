@@ -3,6 +3,7 @@
 * PROCESSED / DUPLICATE            → ack (only after the dedup transaction committed)
 * IN_PROGRESS                      → retry later, never ack (acking would hide a crashed twin)
 * handler error                    → retry with exponential backoff, dead-letter at max_attempts
+                                     (the one retry that counts as an attempt, see :class:`Retry`)
 * invalid id / body, payload clash → dead-letter at once (retrying cannot help; it would block)
 * store unavailable                → retry later, never dead-letter (the message is fine)
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from idemq.drivers.sql import connection_lost
 from idemq.errors import (
     InvalidInputError,
     LeaseLostError,
@@ -42,9 +44,16 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Retry:
-    """Do not ack; have the broker deliver the message again after ``delay_s``."""
+    """Do not ack; have the broker deliver the message again after ``delay_s``.
+
+    ``counted`` is true only when the handler ran and failed: the next delivery is then idemq's
+    next attempt. The broker's own delivery counters also count the redeliveries an outage, a
+    twin holding the lease or a crashed worker caused, so adapters carry idemq's attempt number
+    themselves (the ``idemq-delivery-attempt`` header, bumped only by a counted retry).
+    """
 
     delay_s: float
+    counted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +99,20 @@ def decide(
             return DeadLetter(
                 f"{verdict.value}: gave up after {delivery_attempt} attempts: {detail}".rstrip()
             )
-        return Retry(policy.backoff_s(delivery_attempt))
+        return Retry(policy.backoff_s(delivery_attempt), counted=True)
     # INVALID_MESSAGE, PAYLOAD_MISMATCH: the same bytes fail the same way every time.
     return DeadLetter(f"{verdict.value}: {detail}".rstrip())
 
 
 def classify(exc: BaseException) -> Verdict:
-    """Which :class:`Verdict` an exception raised by ``guard.process`` stands for."""
-    if isinstance(exc, StoreUnavailableError):
+    """Which :class:`Verdict` an exception raised by ``guard.process`` stands for.
+
+    A handler's own statement that failed because its database connection dropped (lease mode:
+    the handler's engine is its own, so the guard passes the driver's error on) is the store
+    being unavailable too: the effect did not commit, and the same message will work once the
+    database is back, so it is retried and never counted toward dead-lettering.
+    """
+    if isinstance(exc, StoreUnavailableError) or connection_lost(exc):
         return Verdict.STORE_UNAVAILABLE
     if isinstance(exc, PayloadMismatchError):
         return Verdict.PAYLOAD_MISMATCH

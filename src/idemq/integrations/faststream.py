@@ -25,10 +25,19 @@ AcknowledgementMiddleware, around the decoded handler call):
 With ``outbox=`` (an :class:`~idemq.AsyncOutbox` on the guard's database), every publish the
 handler makes while it runs (``await broker.publish(…)``, ``await publisher.publish(…)``) is not
 sent but added to the outbox in the dedup transaction, with an id derived from the incoming
-message: it leaves (through ``idemq relay``) if and only if the transaction commits. A
-``@publisher`` decorator's output is published by FastStream after the handler returned — after
-the commit — so it is sent directly, not through the outbox; publish from the handler instead
-when the output must be exactly once.
+message: it leaves (through ``idemq relay``) if and only if the transaction commits.
+
+A ``@publisher`` decorator's output is handed over by FastStream after the handler returned,
+after the commit. With ``outbox=`` it goes into the outbox too, in a transaction of its own,
+under an id derived from the incoming message and the output's place, and the delivery is acked
+only once it is there. A crash in between leaves the delivery unacked: it comes back, the
+guard answers DUPLICATE with the stored result, FastStream hands the same output over again,
+and the outbox keeps the row it already has. Each output thus leaves once, under one id, for a
+message whose effect committed, and never for one whose effect did not.
+
+``broker.request()`` works through a guarded broker: the subscriber's reply is its result, sent
+directly (the requester waits for it), and a duplicate request gets the stored result; the
+reply arriving at the requester passes the middleware untouched.
 
 Subscribers must not use ``AckPolicy.ACK_FIRST`` (the message would be acked before its effect
 committed); the middleware refuses such messages with :class:`~idemq.ConfigurationError`.
@@ -42,11 +51,14 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from faststream import BaseMiddleware
 from faststream.exceptions import IgnoredException, SkipMessage
-from faststream.message import encode_message
+from faststream.message import SourceType, encode_message
+from faststream.response import PublishType
+from sqlalchemy.exc import DBAPIError
 
 from idemq.brokers.base import dead_letter_headers, decode
 from idemq.brokers.settlement import (
@@ -58,6 +70,7 @@ from idemq.brokers.settlement import (
     classify,
     decide,
 )
+from idemq.drivers.sql import translate_db_error
 from idemq.errors import (
     ConfigurationError,
     InvalidBusinessIdError,
@@ -68,6 +81,7 @@ from idemq.errors import (
 from idemq.guard.core import Status
 from idemq.guard.idempotency_async import AsyncIdempotency
 from idemq.message import BUSINESS_ID_HEADER
+from idemq.outbox.ids import derived_id
 
 from ._faststream_brokers import Family, family_of
 
@@ -91,6 +105,17 @@ def current_tx() -> Any:
     return _current_tx.get()
 
 
+@dataclass(slots=True)
+class _Output:
+    """A guarded delivery whose effect committed and whose ack waits for its ``@publisher``
+    output to be in the outbox."""
+
+    msg: Any  # FastStream's StreamMessage, to settle
+    family: Family
+    message_id: str
+    outputs: int = 0  # outputs added so far: the next one's place
+
+
 @dataclass(frozen=True, slots=True)
 class _Identified:
     message_id: str
@@ -98,11 +123,12 @@ class _Identified:
 
 
 class _Failures:
-    """Failed attempts per message id seen by this process, for brokers that count none.
+    """Failed handler runs per message id seen by this process: the attempt number.
 
-    Kafka and MQTT do not count deliveries and classic RabbitMQ queues only flag a redelivery; a
-    bounded in-process count still stops a poison message from cycling forever. It restarts at
-    zero with the process, so ``max_attempts`` is a floor, not an exact number, there.
+    Not the broker's delivery count (``x-delivery-count``, ``num_delivered``, the pending
+    count): it also counts the redeliveries a store outage or a twin's lease caused. A bounded
+    in-process count stops a poison message from cycling forever; it restarts at zero with the
+    process and is kept per process, so ``max_attempts`` is a floor, not an exact number.
     """
 
     def __init__(self, limit: int = _FAILURE_MEMORY) -> None:
@@ -175,7 +201,7 @@ class IdempotencyMiddleware:
         return _Scope(msg, context=context, owner=self)
 
     async def consume(
-        self, call_next: Callable[[Any], Awaitable[Any]], msg: Any, context: Any
+        self, call_next: Callable[[Any], Awaitable[Any]], msg: Any, context: Any, scope: _Scope
     ) -> Any:
         """Guard, run and settle one delivery (see the module docstring)."""
         family = family_of(msg)
@@ -183,7 +209,10 @@ class IdempotencyMiddleware:
         while True:
             settlement, message_id, result = await self._attempt(call_next, msg, context, family)
             if isinstance(settlement, Ack):
-                await msg.ack()
+                if self.outbox is None or message_id is None:
+                    await msg.ack()
+                else:  # acked by the scope, once FastStream handed over the outputs
+                    scope.output = _Output(msg, family, message_id)
                 return result
             if isinstance(settlement, DeadLetter):
                 await self._dead_letter(msg, family, settlement.reason, message_id)
@@ -224,7 +253,10 @@ class IdempotencyMiddleware:
             verdict = classify(exc)
             attempt = 1
             if verdict is Verdict.HANDLER_ERROR and message_id is not None:
-                attempt = max(await family.broker_attempt(msg), self._failures.bump(message_id))
+                # idemq's own count of failed runs, not the broker's delivery count: that one
+                # also counts the redeliveries an outage or a busy lease caused, which must
+                # never bring a message closer to the dead letters.
+                attempt = self._failures.bump(message_id)
             logger.warning(
                 "idemq: message %r failed (%s, attempt %d): %r",
                 message_id,
@@ -238,6 +270,33 @@ class IdempotencyMiddleware:
             return decide(Verdict.IN_PROGRESS, 1, self.retry_policy), message_id, None
         self._failures.forget(outcome.message_id)
         return Ack(), message_id, outcome.result
+
+    async def add_output(self, output: _Output, cmd: Any) -> None:
+        """Put one ``@publisher`` output of a committed delivery into the outbox, under the id
+        its place gives it (a rerun's copy of it finds its row there and adds nothing)."""
+        message_id = derived_id(self.guard.consumer, output.message_id, f"output-{output.outputs}")
+        output.outputs += 1
+        body, headers = _outgoing(cmd)
+        try:
+            async with self.outbox.engine.begin() as conn:
+                await self.outbox.add(
+                    conn, cmd.destination, body, headers=headers, message_id=message_id
+                )
+        except DBAPIError as exc:  # the begin or the commit; add translates its own
+            raise translate_db_error(exc, f"outbox add to {self.outbox.table}") from exc
+
+    async def settle_output(self, output: _Output, *, failed: bool) -> None:
+        """Ack a delivery whose outputs are in the outbox; one whose output could not be put
+        there is delivered again (its replayed result gives the same outputs)."""
+        if not failed:
+            await output.msg.ack()
+            return
+        logger.warning(
+            "idemq: the @publisher output of %r is not in the outbox yet; delivering it again",
+            output.message_id,
+        )
+        if output.family.redelivers:
+            await output.family.retry(output.msg, self.retry_policy.store_unavailable_delay_s)
 
     async def _identify(self, msg: Any, family: Family) -> _Identified:
         """The dedup key and business id; InvalidMessage(Id)Error means dead-letter now."""
@@ -327,19 +386,43 @@ class _Scope(BaseMiddleware):
     def __init__(self, msg: Any, /, *, context: Any, owner: IdempotencyMiddleware) -> None:
         super().__init__(msg, context=context)
         self._owner = owner
+        self.output: _Output | None = None  # set once the delivery's effect committed
 
     async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
-        return await self._owner.consume(call_next, msg, self.context)
+        if msg.source_type is SourceType.RESPONSE:
+            # The reply to this process's own ``broker.request()``: not a delivery to guard.
+            return await call_next(msg)
+        return await self._owner.consume(call_next, msg, self.context, self)
 
     async def publish_scope(self, call_next: Callable[[Any], Awaitable[Any]], cmd: Any) -> Any:
         outbox = self._owner.outbox
         tx = current_tx()
-        if outbox is None or tx is None:
-            return await call_next(cmd)
-        # Inside a guarded handler: the message leaves only if the dedup transaction commits.
-        body, content_type = encode_message(cmd.body, None)
-        headers = _str_headers(cmd.headers)
-        if content_type:
-            headers.setdefault("content-type", content_type)
-        await outbox.add(tx, cmd.destination, body, headers=headers)
-        return None
+        if outbox is not None and tx is not None:
+            # Inside a guarded handler: it leaves only if the dedup transaction commits.
+            body, headers = _outgoing(cmd)
+            await outbox.add(tx, cmd.destination, body, headers=headers)
+            return None
+        if self.output is not None and cmd.publish_type is PublishType.PUBLISH:
+            await self._owner.add_output(self.output, cmd)  # a @publisher's, after the commit
+            return None
+        return await call_next(cmd)
+
+    async def after_processed(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> bool | None:
+        output, self.output = self.output, None
+        if output is not None:
+            await self._owner.settle_output(output, failed=exc_type is not None)
+        return False
+
+
+def _outgoing(cmd: Any) -> tuple[bytes, dict[str, str]]:
+    """A FastStream publish command's body and headers as the outbox keeps them."""
+    body, content_type = encode_message(cmd.body, None)
+    headers = _str_headers(cmd.headers)
+    if content_type:
+        headers.setdefault("content-type", content_type)
+    return body, headers

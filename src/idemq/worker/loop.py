@@ -31,6 +31,7 @@ from idemq.guard.probes import Observer
 from idemq.message import Message
 from idemq.worker.batch import BatchSettings, BatchWorkerLoop
 from idemq.worker.executors import executor
+from idemq.worker.outage import Outage
 from idemq.worker.settle import Settler, WorkerStats
 
 __all__ = ["Guard", "Handler", "Worker"]
@@ -75,6 +76,8 @@ class Worker:
         description: str = "",
         observer: Observer | None = None,
         batch: BatchSettings | None = None,
+        give_up_after_s: float | None = None,
+        startup_give_up_after_s: float | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
@@ -98,6 +101,10 @@ class Worker:
         self.prefetch = prefetch if prefetch is not None else in_flight
         self.description = description or f"queue={queue}"
         self.stopping = threading.Event()
+        # Outages are ridden out with one log line per attempt: until the broker first answers
+        # for startup_give_up_after_s, then for give_up_after_s (None: forever).
+        self.give_up_after_s = give_up_after_s
+        self.outage = Outage(startup_give_up_after_s, self.stopping)
 
     @property
     def stats(self) -> WorkerStats:
@@ -176,7 +183,6 @@ class Worker:
 
     def _deliveries(self, slots: threading.Semaphore) -> Iterator[Delivery | None]:
         """Deliveries, each pulled only once a slot is free; reconnects after broker failures."""
-        backoff_s = 0.5
         ready = False
         while not self.stopping.is_set():
             stream = self.broker.consume(self.queue, prefetch=self.prefetch)
@@ -192,18 +198,17 @@ class Worker:
                         raise
                     if not ready:  # the broker answered: batched or not, say so once
                         ready = True
+                        self.outage.give_up_after_s = self.give_up_after_s
                         log.info("idemq worker ready: %s", self.description)
                     if delivery is None:
                         slots.release()
                     yield delivery
-                    backoff_s = 0.5
+                    self.outage.over()
                 return
             except StopIteration:
                 return
-            except BrokerError:
-                log.exception("broker failed; reconnecting in %.1fs", backoff_s)
-                self.stopping.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, 30.0)
+            except BrokerError as exc:
+                self.outage.failed(exc, f"consuming {self.queue}")
             finally:
                 close = getattr(stream, "close", None)
                 if close is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import signal
 import threading
@@ -12,24 +13,30 @@ from typing import Any
 
 import idemq
 from idemq.brokers import open_broker
-from idemq.brokers.base import mask_url
+from idemq.brokers.base import Broker, mask_url
 from idemq.brokers.settlement import RetryPolicy
-from idemq.errors import ConfigurationError
+from idemq.drivers.extras import missing_extra
+from idemq.errors import BrokerUnavailableError, ConfigurationError
 from idemq.guard.probes import CompositeObserver, Observer
 from idemq.observe.logs import LoggingObserver
 from idemq.stores import store_label
+from idemq.stores.admin import open_store_for
 from idemq.worker.batch import BatchSettings
 from idemq.worker.loop import Handler, Worker
+from idemq.worker.outage import STARTUP_GIVE_UP_AFTER_S, Outage
 from idemq.worker.settle import WorkerStats
 
-__all__ = ["load_handler", "open_guard", "run_worker", "worker_observer"]
+__all__ = ["check_handler", "load_handler", "open_guard", "run_worker", "worker_observer"]
 
 log = logging.getLogger("idemq.worker")
 
 
-def worker_observer(store: object, metrics_port: int | None = None) -> tuple[Observer, Any]:
+def worker_observer(
+    store: object, metrics_port: int | None = None, *, relay: idemq.OutboxRelay | None = None
+) -> tuple[Observer, Any]:
     """What ``idemq worker`` watches its guard with: structured logs, plus Prometheus metrics
-    (guard counters and store gauges, on a registry of its own) served on ``metrics_port``.
+    (guard counters and store gauges, on a registry of its own) served on ``metrics_port``;
+    with a ``relay``, its outbox's gauges and the relay's counters too.
 
     Returns the observer and a zero-argument callable that stops the metrics server.
     """
@@ -37,13 +44,23 @@ def worker_observer(store: object, metrics_port: int | None = None) -> tuple[Obs
     if metrics_port is None:
         return logs, lambda: None
     # Imported on use: prometheus-client is the optional extra "metrics".
-    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+    try:
+        from prometheus_client import CollectorRegistry  # noqa: PLC0415
+    except ImportError as exc:
+        raise missing_extra("--metrics-port", "metrics", exc) from exc
 
-    from idemq.observe.prometheus import PrometheusObserver, StoreCollector, serve_metrics  # noqa: PLC0415
+    from idemq.observe.prometheus import (  # noqa: PLC0415
+        OutboxCollector,
+        PrometheusObserver,
+        StoreCollector,
+        serve_metrics,
+    )
 
     registry = CollectorRegistry()
     label = store_label(store)
     registry.register(StoreCollector(store, store_label=label))
+    if relay is not None:
+        registry.register(OutboxCollector(relay.outbox, relays=[relay]))
     server = serve_metrics(metrics_port, registry=registry)
 
     def stop() -> None:
@@ -53,17 +70,23 @@ def worker_observer(store: object, metrics_port: int | None = None) -> tuple[Obs
     return CompositeObserver(logs, PrometheusObserver(registry, store_label=label)), stop
 
 
-def open_guard(store_url: str, consumer: str) -> idemq.Idempotency:
-    """An :class:`idemq.Idempotency` over the store at ``store_url`` (SQLAlchemy or redis URL).
+def open_guard(
+    store_url: str, consumer: str, *, table: str | None = None, prefix: str | None = None
+) -> idemq.Idempotency:
+    """An :class:`idemq.Idempotency` over the store at ``store_url`` (SQLAlchemy or redis URL),
+    on a non-default SQL ``table`` or Redis key ``prefix`` if given.
 
     SQL stores run in transactional mode (schema created if missing); Redis in lease mode.
     """
-    if store_url.startswith(("redis://", "rediss://", "unix://")):
-        redis_store = idemq.RedisStore(store_url)
-        return idemq.Idempotency(redis_store, consumer=consumer, mode="lease")
-    sql_store = idemq.SqlStore(store_url)
-    sql_store.create_schema()
-    return idemq.Idempotency(sql_store, consumer=consumer)
+    store = open_store_for(store_url, table=table, prefix=prefix)
+    if isinstance(store, idemq.RedisStore):
+        return idemq.Idempotency(store, consumer=consumer, mode="lease")
+    try:
+        store.create_schema()
+    except BaseException:
+        store.close()
+        raise
+    return idemq.Idempotency(store, consumer=consumer)
 
 
 def load_handler(spec: str) -> Handler:
@@ -79,8 +102,28 @@ def load_handler(spec: str) -> Handler:
         raise ConfigurationError(f"cannot load handler {spec!r}: {exc}") from exc
     if not callable(target):
         raise ConfigurationError(f"handler {spec!r} is not callable")
+    check_handler(target, spec)
     handler: Handler = target
     return handler
+
+
+def check_handler(handler: Callable[..., Any], name: str) -> None:
+    """Refuse, before any message is taken, a handler the worker cannot call as
+    ``handler(msg, tx)`` (every message would fail and be dead-lettered), or a coroutine
+    function (the worker would store an un-awaited coroutine as the result)."""
+    expected = "the worker calls handle(msg, tx): msg an idemq.Message, tx the dedup transaction"
+    if inspect.iscoroutinefunction(handler):
+        raise ConfigurationError(f"handler {name!r} is async; {expected}, in a thread")
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):  # a builtin or extension without one: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"handler {name!r} has the signature {signature}; {expected} ({exc})"
+        ) from exc
 
 
 def run_worker(
@@ -100,6 +143,11 @@ def run_worker(
     batch_wait_ms: int = 50,
     relay: bool = False,
     outbox_table: str = "idemq_outbox",
+    declare: str | None = None,
+    dead_letter: str | None = None,
+    table: str | None = None,
+    prefix: str | None = None,
+    give_up_after_s: float | None = None,
 ) -> WorkerStats:
     """What ``idemq worker MODULE:HANDLER --broker URL --queue NAME --store URL`` runs.
 
@@ -111,16 +159,34 @@ def run_worker(
     to that many deliveries per transaction (``idemq.worker.batch``), waiting ``batch_wait_ms`` at
     most for a batch to fill. ``relay``: also run an :class:`~idemq.OutboxRelay` thread for
     the outbox ``outbox_table`` in the store's database, publishing to the same broker.
+    ``declare``/``dead_letter``: see :func:`idemq.brokers.open_broker` (what exists is used as it
+    is either way).
+    ``table`` / ``prefix``: the dedup table (SQL) or key prefix (Redis), if not the default.
+    The handler is checked before anything is opened: :func:`check_handler`.
+    ``give_up_after_s``: how long a broker outage is retried before
+    :class:`~idemq.BrokerUnavailableError` is raised (``None``: 30 s while connecting at
+    start-up, never once running). A refused login or vhost raises
+    :class:`~idemq.ConfigurationError` at once.
     """
     batch = None if batch_size is None else BatchSettings(batch_size, batch_wait_ms)
-    fn = load_handler(handler) if isinstance(handler, str) else handler
-    guard = open_guard(store_url, consumer or queue)
+    if isinstance(handler, str):
+        fn = load_handler(handler)
+    else:
+        check_handler(handler, getattr(handler, "__qualname__", repr(handler)))
+        fn = handler
+    guard = open_guard(store_url, consumer or queue, table=table, prefix=prefix)
     stop_metrics: Callable[[], None] = lambda: None  # noqa: E731
+    outbox_relay: idemq.OutboxRelay | None = None
     try:
-        guard.observer, stop_metrics = worker_observer(guard.store, metrics_port)
-        broker = open_broker(broker_url)
+        outbox_relay = _open_relay(guard.store, outbox_table, broker_url) if relay else None
+        guard.observer, stop_metrics = worker_observer(
+            guard.store, metrics_port, relay=outbox_relay
+        )
+        broker = _open_broker(broker_url, give_up_after_s, declare=declare, dead_letter=dead_letter)
     except BaseException:
         stop_metrics()
+        if outbox_relay is not None:
+            outbox_relay.close()
         guard.store.close()
         raise
     worker = Worker(
@@ -138,11 +204,11 @@ def run_worker(
             + ("" if batch is None else f" batch_size={batch.size} batch_wait_ms={batch.wait_ms}")
         ),
         batch=batch,
+        give_up_after_s=give_up_after_s,
+        startup_give_up_after_s=_startup_budget_s(give_up_after_s),
     )
     stop_relay = threading.Event()
-    relay_thread = (
-        _start_relay(guard.store, outbox_table, broker_url, stop_relay) if relay else None
-    )
+    relay_thread = None if outbox_relay is None else _start_relay(outbox_relay, stop_relay)
     try:
         if on_start is not None:
             on_start(worker)
@@ -157,13 +223,30 @@ def run_worker(
         guard.store.close()
 
 
-def _start_relay(
-    store: object, table: str, broker_url: str, stop: threading.Event
-) -> threading.Thread:
-    """The relay of ``store``'s outbox on its own thread (and its own broker connection)."""
+def _startup_budget_s(give_up_after_s: float | None) -> float:
+    return STARTUP_GIVE_UP_AFTER_S if give_up_after_s is None else give_up_after_s
+
+
+def _open_broker(url: str, give_up_after_s: float | None, **options: str | None) -> Broker:
+    """``open_broker(url, **options)``, retried through an outage for ``give_up_after_s``
+    (default 30 s)."""
+    outage = Outage(_startup_budget_s(give_up_after_s), threading.Event())
+    while True:
+        try:
+            return open_broker(url, **options)
+        except BrokerUnavailableError as exc:
+            outage.failed(exc, f"connecting to {mask_url(url)}")
+
+
+def _open_relay(store: object, table: str, broker_url: str) -> idemq.OutboxRelay:
+    """The relay of ``store``'s outbox ``table`` (with its own broker connection)."""
     if not isinstance(store, idemq.SqlStore):
         raise ConfigurationError("--relay needs a SQL store: the outbox lives in its database")
-    relay = idemq.OutboxRelay(idemq.Outbox(store, table=table), broker_url)
+    return idemq.OutboxRelay(idemq.Outbox(store, table=table), broker_url)
+
+
+def _start_relay(relay: idemq.OutboxRelay, stop: threading.Event) -> threading.Thread:
+    """``relay`` running on its own thread until ``stop`` is set; it closes itself then."""
 
     def run() -> None:
         try:

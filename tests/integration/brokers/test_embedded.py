@@ -31,7 +31,7 @@ class TestEmbedded(BrokerContract):
         return f"embedded://{tmp_path / 'queue.db'}?visibility_timeout_s=1"
 
 
-def test_visibility_timeout_redelivers_with_attempt_count(tmp_path: Path) -> None:
+def test_visibility_timeout_redelivers_without_counting_an_attempt(tmp_path: Path) -> None:
     now = [1_000_000]
     broker = EmbeddedBroker(tmp_path / "q.db", visibility_timeout_s=5, clock_ms=lambda: now[0])
     broker.publish("q", b"{}", message_id="A")
@@ -43,7 +43,7 @@ def test_visibility_timeout_redelivers_with_attempt_count(tmp_path: Path) -> Non
     now[0] += 5_000
     second = next(broker.consume("q"))  # the holder "crashed": visible again
     assert second is not None
-    assert second.delivery_attempt == 2
+    assert second.delivery_attempt == 1, "no handler run failed: not an attempt"
     first.ack()  # stale receipt: ignored (logged), the row is still held by the second receipt
     assert broker.depth("q") == 1
     second.ack()
@@ -57,11 +57,18 @@ def test_retry_delay_and_dead_letter_are_atomic_moves(tmp_path: Path) -> None:
     broker.publish("q", b"x", message_id="A")
     delivery = next(broker.consume("q"))
     assert delivery is not None
-    delivery.retry(2.0)
+    delivery.retry(2.0)  # an outage's retry: the same attempt comes back
     assert next(broker.consume("q")) is None
     now[0] += 2_000
+    same = next(broker.consume("q"))
+    assert same is not None
+    assert same.delivery_attempt == 1
+    same.retry(1.0, counted=True)  # after a failed handler run: the next attempt
+    now[0] += 1_000
     again = next(broker.consume("q"))
     assert again is not None
+    assert again.delivery_attempt == 2
+    assert "idemq-delivery-attempt" not in again.headers
     again.dead_letter("invalid_message: test")
     assert broker.depth("q") == 0
     dead = next(broker.consume("q.dlq"))

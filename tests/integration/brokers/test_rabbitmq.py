@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from idemq.brokers import open_broker
 from idemq.brokers.base import DEAD_LETTER_REASON_HEADER, Broker, Delivery
+from idemq.brokers.settlement import Verdict
 from idemq.message import MESSAGE_ID_HEADER
 from idemq.worker.loop import Worker
 from tests.conftest import require_service, unique
@@ -22,6 +25,7 @@ class TestRabbitMQ(QueuedAckContract):
     redelivery_timeout_s = 10.0  # a dropped connection requeues at once
     # aiormq stamps a random message_id on every publish that lacks one.
     can_publish_without_id = False
+    outage_s = 10.0  # the outage of issue 24: ~10 s of store outage, then one handler failure
 
     @pytest.fixture
     def broker_url(self) -> str:
@@ -66,3 +70,57 @@ class TestRabbitMQ(QueuedAckContract):
         for _, headers in dead:  # the original id is kept, in the header
             assert headers[MESSAGE_ID_HEADER] in ("H" * 10_000, emoji)
         assert business.counts() == Counter({emoji: 1, **{m: 1 for m in good}})
+
+    def test_an_id_header_that_is_not_utf8_is_dead_lettered_with_its_bytes_kept(
+        self, broker_url: str, queue: str, business: Business, publisher: Broker
+    ) -> None:
+        # AMQP headers can carry raw bytes. An id that is not UTF-8 used to become the text
+        # "bytearray(b'...')" — and a valid UTF-8 id sent as bytes did too. Now: valid UTF-8
+        # bytes are decoded (the effect is keyed by the real id), invalid ones dead-letter the
+        # message as an invalid id, with the original headers, bytes and types kept.
+        good = f"caf\u00e9_{queue}"
+        worker = Worker(
+            business.handler,
+            open_broker(broker_url),
+            self.guard(business.url, unique("c")),
+            queue,
+            prefetch=1,
+            policy=FAST,
+        )
+        running = Running(worker)
+        raw_headers: dict[str, Any] = {  # bytearray: an AMQP byte array (pamqp's binary type)
+            MESSAGE_ID_HEADER: bytearray(b"\xffnot-utf8"),
+            "x-signature": bytearray(b"\x00\xfe\x01"),
+            "x-count": 7,
+        }
+        publisher.publish(queue, b'{"n": 1}', headers=raw_headers)
+        publisher.publish(queue, b'{"n": 2}', headers={MESSAGE_ID_HEADER: bytearray(good.encode())})
+        wait_for(lambda: good in business.counts(), 30, "the message behind it, by its real id")
+        broker = open_broker(broker_url)
+        try:
+            dead = _first(broker.consume(broker.dead_letter_queue(queue)), timeout_s=20)
+            original = dict(dead._message.headers or {})  # type: ignore[attr-defined]
+            dead.ack()
+        finally:
+            broker.close()
+        running.stop()
+        assert business.counts() == Counter({good: 1})
+        assert dead.body == b'{"n": 1}'
+        reason = dead.headers[DEAD_LETTER_REASON_HEADER]
+        assert (
+            reason == "invalid_message: InvalidMessageIdError: idemq-message-id is not valid UTF-8"
+        )
+        assert bytes(original[MESSAGE_ID_HEADER]) == b"\xffnot-utf8"
+        assert bytes(original["x-signature"]) == b"\x00\xfe\x01"
+        assert original["x-count"] == 7
+        assert worker.stats.verdicts[Verdict.INVALID_MESSAGE] == 1
+
+
+def _first(stream: Iterator[Delivery | None], *, timeout_s: float) -> Delivery:
+    deadline = time.monotonic() + timeout_s
+    for delivery in stream:
+        if delivery is not None:
+            return delivery
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"nothing delivered within {timeout_s}s")

@@ -11,6 +11,7 @@ from idemq.brokers.base import Broker
 from idemq.brokers.redis_streams import RedisStreamsBroker
 from tests.contract.brokers import BrokerContract
 from tests.contract.brokers_queued_acks import publish_ids, take
+from tests.redis_cluster import RedisCluster
 
 pytestmark = pytest.mark.redis
 
@@ -54,4 +55,14 @@ class TestRedisStreams(BrokerContract):
         finally:
             again.close()
         assert sorted(d.message.id for d in back if d.message) == ids
-        assert {d.delivery_attempt for d in back} == {2}
+        # Redelivered (Redis counts 2 deliveries), but no handler run failed: still attempt 1.
+        assert {d.delivery_attempt for d in back} == {1}
+
+
+class TestRedisStreamsOnACluster(TestRedisStreams):
+    """The same contract on the session's Redis Cluster: a queue and its ``.dlq`` are in two
+    slots, so the dead letter is XADD then XACK rather than one MULTI."""
+
+    @pytest.fixture
+    def broker_url(self, redis_cluster: RedisCluster) -> str:
+        return f"{redis_cluster.url}&claim_idle_ms=1000"

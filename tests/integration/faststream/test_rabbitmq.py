@@ -152,3 +152,114 @@ async def test_smoke_with_faststream_test_broker(tmp_path: Any) -> None:
     assert record.result == '{"ok":1}'
     await store.drop_schema()
     await store.close()
+
+
+async def test_request_through_a_guarded_broker_replays_the_stored_reply(tmp_path: Any) -> None:
+    """``broker.request()``: the reply is the handler's result; the same request again (same
+    message id) is a duplicate, answered with the stored result, the handler not run again. The
+    requester's own broker has the middleware too: the reply it receives is not guarded."""
+    require_service("rabbitmq")
+    store = AsyncSqlStore(f"sqlite:///{tmp_path / 'idemq.db'}")
+    await store.create_schema()
+    name = unique("rpc")
+    broker = RabbitBroker(
+        URL,
+        middlewares=[IdempotencyMiddleware(AsyncIdempotency(store, consumer=name))],
+        log_level=30,
+    )
+    runs: list[int] = []
+
+    @broker.subscriber(RabbitQueue(name, auto_delete=True))
+    async def quote(body: dict[str, int]) -> dict[str, int]:
+        runs.append(body["n"])
+        return {"price": body["n"] * 10, "run": len(runs)}
+
+    try:
+        await broker.start()
+        first = await broker.request({"n": 4}, queue=name, message_id="RPC-1", timeout=10)
+        again = await broker.request({"n": 4}, queue=name, message_id="RPC-1", timeout=10)
+        other = await broker.request({"n": 5}, queue=name, message_id="RPC-2", timeout=10)
+        assert await first.decode() == await again.decode() == {"price": 40, "run": 1}
+        assert await other.decode() == {"price": 50, "run": 2}
+        assert runs == [4, 5]
+    finally:
+        await broker.stop()
+        await store.close()
+
+
+async def test_an_outage_does_not_bring_a_message_closer_to_the_dead_letters() -> None:
+    """A quorum queue counts every redelivery (``x-delivery-count``); a store outage causes
+    many. After the store comes back, one transient handler failure is retried and the message
+    applied, with ``max_attempts=2``: the outage's redeliveries were not attempts."""
+    from tests.conftest import PG_URL  # noqa: PLC0415
+    from tests.contract._proxy import CuttableProxy  # noqa: PLC0415
+    from tests.contract.faststream import FAST  # noqa: PLC0415
+
+    require_service("rabbitmq")
+    require_service("postgres")
+    proxy = CuttableProxy(("127.0.0.1", 5432))
+    url = PG_URL.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    store = AsyncSqlStore(url, table=unique("mi"))
+    await store.create_schema()
+    name = unique("outage")
+    dead: list[str] = []
+
+    async def on_dead_letter(msg: Any, reason: str, headers: dict[str, str]) -> None:
+        dead.append(reason)
+
+    middleware = IdempotencyMiddleware(
+        AsyncIdempotency(store, consumer=name),
+        max_attempts=2,
+        retry_policy=FAST,
+        on_dead_letter=on_dead_letter,
+    )
+    runs: list[int] = []
+    seen: list[str] = []
+
+    class Counting(BaseMiddleware):  # outside the guard: sees every delivery
+        async def consume_scope(self, call_next: Any, msg: Any) -> Any:
+            seen.append(str((msg.headers or {}).get("x-delivery-count", 0)))
+            return await call_next(msg)
+
+    broker = RabbitBroker(URL, middlewares=[Counting, middleware], log_level=50)
+
+    @broker.subscriber(
+        RabbitQueue(name, durable=True, arguments={"x-queue-type": "quorum"}),
+        ack_policy=AckPolicy.REJECT_ON_ERROR,
+    )
+    async def pay(body: dict[str, int]) -> dict[str, int]:
+        runs.append(body["n"])
+        if len(runs) == 1:
+            raise RuntimeError("a transient failure, once")
+        return {"paid": body["n"]}
+
+    try:
+        await broker.start()
+        proxy.cut()
+        await broker.publish({"n": 7}, queue=name, message_id="PAY-7")
+        for _ in range(400):  # the outage's redeliveries pile up on the broker's count
+            if len(seen) >= 8:
+                break
+            await asyncio.sleep(0.05)
+        proxy.restore()
+        for _ in range(400):
+            if await store.get("PAY-7", consumer=name) is not None:
+                break
+            await asyncio.sleep(0.05)
+        record = await store.get("PAY-7", consumer=name)
+        assert record is not None, (seen, runs, dead)
+        assert record.result == '{"paid":7}'
+        assert runs == [7, 7], "one failure, then applied once"
+        assert dead == []
+        assert max(int(c) for c in seen) >= 6, seen
+    finally:
+        await broker.stop()
+        proxy.restore()
+        await store.drop_schema()
+        await store.close()
+        proxy.close()
+        from idemq.brokers import open_broker  # noqa: PLC0415
+
+        admin = open_broker(URL)
+        admin.delete_queue(name)
+        admin.close()

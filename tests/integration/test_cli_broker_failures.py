@@ -1,0 +1,80 @@
+"""One failure behaviour on every broker, as ``idemq worker`` shows it (real subprocesses):
+
+* an outage (nothing listens on the port) is retried with backoff, one log line per attempt and
+  no traceback, never logged as "ready", and the worker exits 4 once ``--give-up-after`` passed;
+* a configuration error (a refused login, an unknown vhost) stops it at once: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_service
+from tests.integration.test_cli_logs import RECORD_START, closed_port
+
+IDEMQ = str(Path(sys.executable).with_name("idemq"))
+
+UNREACHABLE = {
+    "rabbitmq": "amqp://guest:guest@127.0.0.1:{port}/",
+    "kafka": "kafka://127.0.0.1:{port}",
+    "nats": "nats://127.0.0.1:{port}",
+    "redis_streams": "redis://127.0.0.1:{port}/0",
+    "mqtt": "mqtt://127.0.0.1:{port}",
+}
+
+
+def worker(tmp_path: Path, broker: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "fine.py").write_text("def handle(msg, tx):\n    return 1\n")
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    command = [IDEMQ, "worker", "fine:handle", "--broker", broker, "--queue", "orders"]
+    return subprocess.run(
+        [*command, "--store", store, *extra],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(UNREACHABLE))
+def test_an_unreachable_broker_is_retried_then_exit_4(tmp_path, kind):
+    broker = UNREACHABLE[kind].format(port=closed_port())
+    done = worker(tmp_path, broker, "--give-up-after", "2")
+    assert done.returncode == 4, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "idemq worker ready" not in done.stderr
+    *records, last = done.stderr.splitlines()
+    for line in records:
+        assert RECORD_START.match(line), line
+    attempts = [line for line in records if re.search(r"failed \(attempt \d+\), retrying", line)]
+    assert attempts, done.stderr
+    given_up = re.match(r"broker unavailable: .*gave up after (\d+) attempts in", last)
+    assert given_up, last
+    assert int(given_up.group(1)) == len(attempts) + 1  # one line for each attempt retried
+
+
+def test_rabbitmq_refused_login_is_exit_2_at_once(tmp_path):
+    require_service("rabbitmq")
+    done = worker(tmp_path, "amqp://guest:not-the-password@127.0.0.1:5672/")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: RabbitMQ refused the login (check the URL's user and password): ACCESS_REFUSED"
+        " - Login was refused using authentication mechanism PLAIN. For details see the broker"
+        " logfile."
+    ]
+
+
+def test_rabbitmq_unknown_vhost_is_exit_2_at_once(tmp_path):
+    require_service("rabbitmq")
+    done = worker(tmp_path, "amqp://guest:guest@127.0.0.1:5672/no-such-vhost-cli20")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: RabbitMQ closed the connection at login: vhost 'no-such-vhost-cli20' does not"
+        " exist or the user may not use it"
+    ]

@@ -1,0 +1,260 @@
+"""``idemq worker`` on queues and streams the application made before idemq saw them: used as
+they are, never redeclared or updated; ``--declare never`` creates nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from idemq.brokers.base import DEAD_LETTER_REASON_HEADER
+from tests.conftest import require_service, unique
+
+IDEMQ = str(Path(sys.executable).with_name("idemq"))
+AMQP = "amqp://guest:guest@127.0.0.1:5672/"
+NATS = "nats://127.0.0.1:4222"
+
+HANDLER = """
+import sqlalchemy as sa
+
+def handle(msg, tx):
+    if msg.body == b"poison":
+        raise ValueError("this order cannot be paid")
+    tx.execute(sa.text("INSERT INTO effects (message_id) VALUES (:m)"), {"m": msg.id})
+"""
+
+
+def _start_worker(tmp_path: Path, broker: str, queue: str, *extra: str) -> subprocess.Popen[bytes]:
+    (tmp_path / "shop_handlers.py").write_text(HANDLER)
+    with (tmp_path / "worker.log").open("w") as log:
+        return subprocess.Popen(
+            [
+                IDEMQ,
+                "worker",
+                "shop_handlers:handle",
+                "--broker",
+                broker,
+                "--queue",
+                queue,
+                "--store",
+                f"sqlite:///{tmp_path / 'shop.db'}",
+                "--max-attempts",
+                "2",
+                "--concurrency",
+                "2",
+                *extra,
+            ],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _get(connection: Any, queue: str) -> tuple[bytes, dict[str, str]] | None:
+    """One message off ``queue`` (acked), or None — also while the queue does not exist yet
+    (RabbitMQ closes the channel that asked: each look gets a channel of its own)."""
+    import pika  # noqa: PLC0415
+
+    channel = connection.channel()
+    try:
+        method, properties, body = channel.basic_get(queue, auto_ack=True)
+    except pika.exceptions.ChannelClosedByBroker:
+        return None
+    channel.close()
+    if method is None:
+        return None
+    return body, {k: str(v) for k, v in (properties.headers or {}).items()}
+
+
+def _effects_engine(tmp_path: Path) -> sa.Engine:
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'shop.db'}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE effects (message_id TEXT)")
+    return engine
+
+
+def _effects(engine: sa.Engine) -> Counter[str]:
+    with engine.connect() as conn:
+        return Counter(r[0] for r in conn.exec_driver_sql("SELECT message_id FROM effects"))
+
+
+def _stop(worker: subprocess.Popen[bytes], log: Path) -> None:
+    """SIGTERM: in-flight messages finish, exit 0, within 10 s."""
+    started = time.monotonic()
+    worker.send_signal(signal.SIGTERM)
+    code = worker.wait(30)
+    assert code == 0, log.read_text()
+    assert time.monotonic() - started < 10, "SIGTERM took more than 10 s"
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_classic_queue_declared_by_the_application(tmp_path: Path) -> None:
+    """A classic durable queue without dead-letter arguments, declared by pika: 300 ids each
+    published three times, poison and id-less messages among them → every effect once, the
+    poison in ``<queue>.dlq`` with its reason, the queue as it was."""
+    pika = pytest.importorskip("pika")
+    require_service("rabbitmq")
+    queue = unique("orders")
+    connection = pika.BlockingConnection(pika.URLParameters(AMQP))
+    channel = connection.channel()
+    channel.queue_declare(queue, durable=True)  # classic, no x-dead-letter-exchange
+    channel.confirm_delivery()
+    ids = [f"ORDER_{i:04d}" for i in range(300)]
+    for copy in range(3):
+        for message_id in ids:
+            channel.basic_publish(
+                "", queue, b"{}", pika.BasicProperties(message_id=message_id, delivery_mode=2)
+            )
+        channel.basic_publish(
+            "", queue, b"poison", pika.BasicProperties(message_id=f"POISON_{copy}")
+        )
+    channel.basic_publish("", queue, b"{}", pika.BasicProperties())  # no id anywhere
+    engine = _effects_engine(tmp_path)
+    log = tmp_path / "worker.log"
+    worker = _start_worker(tmp_path, AMQP, queue)
+    dead_letters: list[tuple[bytes, dict[str, str]]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (
+            len(_effects(engine)) < 300 or len(dead_letters) < 4
+        ):
+            assert worker.poll() is None, log.read_text()
+            got = _get(connection, f"{queue}.dlq")
+            if got is not None:
+                dead_letters.append(got)
+            else:
+                time.sleep(0.2)
+        time.sleep(1.0)  # a wrongly requeued copy would show up now
+        _stop(worker, log)
+        effects = _effects(engine)
+        assert effects == Counter(dict.fromkeys(ids, 1)), "every effect exactly once"
+        reasons = sorted(headers[DEAD_LETTER_REASON_HEADER] for _, headers in dead_letters)
+        assert len(reasons) == 4, reasons
+        assert sum("handler_error" in r for r in reasons) == 3, reasons
+        assert sum("message id" in r or "invalid" in r for r in reasons) == 1, reasons
+        assert sorted(body for body, _ in dead_letters) == [b"poison"] * 3 + [b"{}"]
+        # The queue is the application's still: declaring it as the application does works.
+        channel.queue_declare(queue, durable=True)
+        assert "inequivalent" not in log.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        channel.queue_delete(queue)
+        channel.queue_delete(f"{queue}.dlq")
+        connection.close()
+        engine.dispose()
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_declare_never_refuses_a_missing_queue_at_once(tmp_path: Path) -> None:
+    require_service("rabbitmq")
+    queue = unique("missing")
+    _effects_engine(tmp_path).dispose()
+    worker = _start_worker(tmp_path, AMQP, queue, "--declare", "never")
+    code = worker.wait(30)
+    text = (tmp_path / "worker.log").read_text()
+    assert code == 2, text
+    assert queue in text
+    assert "declare=never" in text
+    assert "Traceback" not in text
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_dead_letter_names_the_dead_letter_queue(tmp_path: Path) -> None:
+    pika = pytest.importorskip("pika")
+    require_service("rabbitmq")
+    queue, dead = unique("orders"), unique("poison_box")
+    connection = pika.BlockingConnection(pika.URLParameters(AMQP))
+    channel = connection.channel()
+    channel.queue_declare(queue, durable=True)
+    channel.queue_declare(dead, durable=True)
+    channel.basic_publish("", queue, b"poison", pika.BasicProperties(message_id="P1"))
+    engine = _effects_engine(tmp_path)
+    log = tmp_path / "worker.log"
+    worker = _start_worker(
+        tmp_path, AMQP, queue, "--declare", "never", "--dead-letter", dead, "--max-attempts", "1"
+    )
+    try:
+        deadline = time.monotonic() + 60
+        got = None
+        while got is None and time.monotonic() < deadline:
+            assert worker.poll() is None, log.read_text()
+            got = _get(connection, dead)
+            time.sleep(0.1)
+        assert got is not None, log.read_text()
+        assert got[0] == b"poison"
+        assert "handler_error" in got[1][DEAD_LETTER_REASON_HEADER]
+        _stop(worker, log)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker):  # never made
+            connection.channel().queue_declare(f"{queue}.dlq", passive=True)
+        channel = connection.channel()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        for name in (queue, dead, f"{queue}.dlq"):
+            channel.queue_delete(name)
+        connection.close()
+        engine.dispose()
+
+
+@pytest.mark.nats
+def test_nats_stream_made_by_the_application_is_used_not_updated(tmp_path: Path) -> None:
+    """The application's stream ``SHOP_x`` captures ``shop_x.>`` with its own settings; a worker
+    on ``shop_x.paid`` consumes from it: no stream of idemq's, the settings as they were."""
+    import nats  # noqa: PLC0415
+    from nats.js.api import StreamConfig  # noqa: PLC0415
+
+    require_service("nats")
+    prefix = unique("shop")
+    stream, subject = prefix.upper(), f"{prefix}.paid"
+
+    async def setup() -> None:
+        nc = await nats.connect(NATS)
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=stream, subjects=[f"{prefix}.>"], max_msgs=100_000))
+        for copy in range(2):
+            for i in range(50):
+                await js.publish(subject, b"{}", headers={"idemq-message-id": f"N{i}"})
+            await js.publish(subject, b"poison", headers={"idemq-message-id": f"POISON{copy}"})
+        await nc.close()
+
+    async def streams() -> dict[str, int | None]:
+        nc = await nats.connect(NATS)
+        js = nc.jetstream()
+        found = {info.config.name: info.config.max_msgs for info in await js.streams_info()}
+        await nc.close()
+        return {name: found[name] for name in found if prefix.upper() in name.upper()}
+
+    async def teardown() -> None:
+        nc = await nats.connect(NATS)
+        js = nc.jetstream()
+        for name in await streams():
+            await js.delete_stream(name)
+        await nc.close()
+
+    asyncio.run(setup())
+    engine = _effects_engine(tmp_path)
+    log = tmp_path / "worker.log"
+    worker = _start_worker(tmp_path, NATS, subject, "--declare", "never")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_effects(engine)) < 50:
+            assert worker.poll() is None, log.read_text()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        _stop(worker, log)
+        assert _effects(engine) == Counter({f"N{i}": 1 for i in range(50)})
+        assert asyncio.run(streams()) == {stream: 100_000}, "no stream of idemq's, none changed"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        asyncio.run(teardown())
+        engine.dispose()

@@ -1,0 +1,60 @@
+"""The worker's outage retries, on a fake clock: backoff doubles up to its cap, the last wait
+ends on the deadline, giving up raises BrokerUnavailableError from the last error."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from idemq.errors import BrokerUnavailableError
+from idemq.worker.outage import Outage
+
+
+class FakeStop(threading.Event):
+    """A stop event whose wait() advances the fake clock instead of sleeping."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__()
+        self.clock = clock
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None
+        self.waits.append(round(timeout, 3))
+        self.clock[0] += timeout
+        return False
+
+
+def test_backoff_doubles_to_its_cap_then_gives_up_on_the_deadline(caplog):
+    now = [100.0]
+    stop = FakeStop(now)
+    outage = Outage(20.0, stop, first_wait_s=0.5, max_wait_s=4.0, clock=lambda: now[0])
+    down = BrokerUnavailableError("connection refused")
+    for _ in range(8):  # 0 s … 19.5 s: each waits
+        outage.failed(down, "connecting to amqp://x/")
+    with pytest.raises(BrokerUnavailableError) as raised:  # at 20 s: given up
+        outage.failed(down, "connecting to amqp://x/")
+    assert stop.waits == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0, 0.5]  # the last one ends at 20 s
+    assert raised.value.__cause__ is down
+    assert "gave up after 9 attempts in 20.0s: connection refused" in str(raised.value)
+    lines = [r.getMessage() for r in caplog.records if r.name == "idemq.worker"]
+    assert len(lines) == 8  # one per attempt retried
+    assert lines[0] == (
+        "connecting to amqp://x/ failed (attempt 1), retrying in 0.5s: "
+        "BrokerUnavailableError: connection refused"
+    )
+    assert all(r.exc_info is None for r in caplog.records)  # no traceback
+
+
+def test_an_answer_starts_the_next_outage_afresh_and_none_never_gives_up():
+    now = [0.0]
+    stop = FakeStop(now)
+    outage = Outage(None, stop, first_wait_s=1.0, max_wait_s=30.0, clock=lambda: now[0])
+    for _ in range(50):  # hours of outage: never raised
+        outage.failed(BrokerUnavailableError("down"), "consuming q")
+    assert stop.waits[-1] == 30.0
+    outage.over()
+    outage.failed(BrokerUnavailableError("down"), "consuming q")
+    assert stop.waits[-1] == 1.0
+    assert outage.attempts == 1
