@@ -22,17 +22,20 @@ from idemq.stores.base import ClaimRequest, Key, RecordStatus
 from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL
 from tests.contract.conftest import dispose, make_store
 
-STORES = ["sqlite", "postgres", "mariadb", "redis"]
+STORES = ["sqlite", "postgres", "mariadb", "redis", "redis-cluster"]
 HOUR_MS = 3_600_000
 
 
 class Store:
     """A store made by the contract factories, plus the CLI arguments that name it."""
 
-    def __init__(self, kind: str, tmp_path: Path) -> None:
-        self.store: Any = make_store(kind, tmp_path)
+    def __init__(self, kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+        self.store: Any = make_store(kind, tmp_path, request)
         if kind == "redis":
             self.args = ["--store", REDIS_URL, "--prefix", self.store.prefix]
+        elif kind == "redis-cluster":
+            url = request.getfixturevalue("redis_cluster").url
+            self.args = ["--store", url, "--prefix", self.store.prefix]
         else:
             url = {"postgres": PG_URL, "mariadb": MYSQL_URL}.get(
                 kind, f"sqlite:///{tmp_path / 'idemq.db'}"
@@ -42,7 +45,7 @@ class Store:
 
 @pytest.fixture(params=STORES)
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    made = Store(request.param, tmp_path)
+    made = Store(request.param, tmp_path, request)
     yield made
     dispose(made.store)
 

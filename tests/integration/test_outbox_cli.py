@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import idemq
 from idemq.brokers import open_broker
 from idemq.cli import EXIT_NOT_FOUND, EXIT_OK, main
 from idemq.outbox import outbox_stats
-from tests.conftest import PG_URL, REDIS_URL, require_service, unique
+from tests.conftest import PG_URL, REDIS_URL, free_port, require_service, unique
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,6 +103,7 @@ def pay(msg, tx):
 def test_worker_with_relay_publishes_what_its_handler_added(
     outbox: idemq.Outbox, tmp_path: Path
 ) -> None:
+    """Both hops through one worker, and its metrics server exports the relay's outbox."""
     pay, ship = unique("pay"), unique("ship")
     (tmp_path / "payhandler.py").write_text(
         HANDLER.format(url=PG_URL, table=outbox.table, ship=ship)
@@ -128,11 +130,14 @@ def test_worker_with_relay_publishes_what_its_handler_added(
             "--relay",
             "--outbox-table",
             outbox.table,
+            "--metrics-port",
+            str(metrics_port := free_port()),
         ],
         env=env,
         cwd=tmp_path,
     )
     got: list[bytes] = []
+    published: dict[str, float] = {}
     try:
         stream = broker.consume(ship, prefetch=10)
         deadline = time.monotonic() + 60
@@ -142,6 +147,10 @@ def test_worker_with_relay_publishes_what_its_handler_added(
                 got.append(delivery.body)
                 delivery.ack()
         stream.close()
+        # The relay counts a row once its confirm came back and the row is marked sent.
+        while published.get(outbox.table) != 2 and time.monotonic() < deadline:
+            published = _scrape_outbox_published(metrics_port)
+            time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -149,6 +158,24 @@ def test_worker_with_relay_publishes_what_its_handler_added(
             broker.delete_queue(name)
         broker.close()
     assert sorted(got) == [b"ship o1", b"ship o2"]
+    assert published == {outbox.table: 2}
+
+
+def _scrape_outbox_published(port: int) -> dict[str, float]:
+    """``idemq_outbox_published_total`` by outbox, from the worker's ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}  # not serving yet
+    return {
+        sample.labels["outbox"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "idemq_outbox_published_total"
+    }
 
 
 def test_schema_prints_the_outbox_ddl_too(capsys: pytest.CaptureFixture[str]) -> None:

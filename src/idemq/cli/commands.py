@@ -8,6 +8,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from rich.console import Console
 from rich.prompt import Confirm
 from rich.table import Table
 
-from idemq.errors import IdemqError
+from idemq.errors import ConfigurationError, IdemqError
 from idemq.stores import admin
 from idemq.stores.admin import record_dict
 from idemq.stores.base import ForgetResult
@@ -48,16 +50,23 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and the answer is "no" (demo invariant violated, …)
 EXIT_USAGE = 2  # bad arguments or configuration (argparse uses 2 as well)
 EXIT_NOT_FOUND = 3  # inspect: no such message id
-EXIT_STORE = 4  # the store could not be reached or failed
+EXIT_STORE = 4  # the store (or the broker) could not be reached or failed
 EXIT_ABORTED = 5  # release: the operator said no (or no TTY to ask on and no --yes)
 EXIT_REFUSED = 6  # release: the record is PROCESSED (deleting it would let it run twice)
 
 console = Console()
-err_console = Console(stderr=True)
+# soft_wrap: a line longer than the terminal (or than 80 columns, off a terminal) is not cut in
+# two, so an id or a URL in it stays greppable.
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, default=str, ensure_ascii=False))
+
+
+def _open_existing_store(args: argparse.Namespace) -> Any:
+    """The store of ``--store`` (on ``--table`` / ``--prefix``); a SQLite file must exist."""
+    return admin.open_store_for(args.store, table=args.table, prefix=args.prefix, must_exist=True)
 
 
 def _record_table(data: dict[str, Any]) -> Table:
@@ -96,6 +105,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
+@contextmanager
+def _store_errors_translated(doing: str, store_url: str) -> Iterator[None]:
+    """A database or Redis failure escaping ``doing`` as the idemq error it is (exit 4, one
+    line), not a driver traceback."""
+    from redis import RedisError  # noqa: PLC0415
+    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
+
+    from idemq.drivers.redis import translate_error  # noqa: PLC0415
+    from idemq.drivers.sql import translate_db_error  # noqa: PLC0415
+    from idemq.drivers.urls import mask_url  # noqa: PLC0415
+
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise translate_db_error(exc, doing) from exc
+    except RedisError as exc:
+        raise translate_error(exc, doing, mask_url(store_url)) from exc
+
+
 def cmd_chaos(args: argparse.Namespace) -> int:
     from idemq.chaos import ChaosConfig, run_chaos, write_report  # noqa: PLC0415
     from idemq.chaos.console import render_result, run_with_progress  # noqa: PLC0415
@@ -116,16 +144,19 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         keep=args.keep,
         rate_per_s=args.rate,
         tune_broker=args.tune_broker,
+        two_hop=args.two_hop,
     )
     if args.json:
         try:
-            result = run_chaos(config)
+            with _store_errors_translated("idemq chaos", args.store):
+                result = run_chaos(config)
         except IdemqError as error:
             # --json promises one JSON object on the last line, a refused run included.
             print(json.dumps({"ok": False, "error": f"{type(error).__name__}: {error}"}))
             raise
     else:
-        result = run_with_progress(config, console)
+        with _store_errors_translated("idemq chaos", args.store):
+            result = run_with_progress(config, console)
         render_result(result, console)
     if args.report:
         path = write_report(result, args.report)
@@ -143,7 +174,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # sys.path does not include it (uvicorn and celery add it the same way).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    stats = run_worker(
+    run_worker(  # it logs its final counts itself ("idemq worker stopped: …")
         args.handler,
         broker_url=args.broker,
         queue=args.queue,
@@ -157,8 +188,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         batch_wait_ms=args.batch_wait_ms,
         relay=args.relay,
         outbox_table=args.outbox_table,
+        declare=args.declare,
+        dead_letter=args.dead_letter,
+        table=args.table,
+        prefix=args.prefix,
+        give_up_after_s=args.give_up_after,
     )
-    err_console.print(f"idemq worker stopped: {stats}")
     return EXIT_OK
 
 
@@ -180,7 +215,7 @@ def cmd_id_parse(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
+    store = _open_existing_store(args)
     try:
         records = admin.find_records(store, args.id, args.consumer)
     finally:
@@ -198,7 +233,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from idemq.outbox import outbox_report  # noqa: PLC0415
 
-    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
+    store = _open_existing_store(args)
     try:
         report = admin.stats_report(store)
         outbox = outbox_report(store, args.outbox_table)
@@ -239,7 +274,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
+    store = _open_existing_store(args)
     try:
         plan = admin.plan_release(store, args.id, args.consumer)
         if plan.verdict is admin.ReleaseVerdict.NOT_FOUND:
@@ -283,7 +318,7 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    store = admin.open_store_for(args.store, table=args.table, prefix=args.prefix)
+    store = _open_existing_store(args)
     try:
         result = store.forget(args.id, args.consumer, force=args.force)
     finally:
@@ -307,9 +342,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    from idemq.stores import open_store  # noqa: PLC0415
-
-    store = open_store(args.store)
+    store = _open_existing_store(args)
     try:
         deleted = store.purge(args.older_than, batch_size=args.batch_size)
     finally:
@@ -339,12 +372,22 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _family(dialect: str) -> str:
+    return "mysql" if dialect == "mariadb" else dialect  # one DDL family, one SQLAlchemy dialect
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from idemq.outbox import Outbox, outbox_sql  # noqa: PLC0415
     from idemq.stores.sql.store import SqlStore, schema_sql  # noqa: PLC0415
 
     if args.store:
         store = SqlStore(args.store, table=args.table)
+        if args.dialect is not None and _family(args.dialect) != _family(store.engine.dialect.name):
+            store.close()
+            raise ConfigurationError(
+                f"--dialect {args.dialect} does not match the --store database"
+                f" ({store.engine.dialect.name}); drop --dialect to create the table there"
+            )
         try:
             store.create_schema()
             if not args.no_outbox:
@@ -353,7 +396,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
             store.close()
         err_console.print(f"created (if missing) table {args.table} in {store.where}")
         return EXIT_OK
-    print(schema_sql(args.dialect, table=args.table), end="")
+    dialect = args.dialect or "postgresql"
+    print(schema_sql(dialect, table=args.table), end="")
     if not args.no_outbox:
-        print("\n" + outbox_sql(args.dialect, table=args.outbox_table), end="")
+        print("\n" + outbox_sql(dialect, table=args.outbox_table), end="")
     return EXIT_OK

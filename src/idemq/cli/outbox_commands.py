@@ -10,6 +10,7 @@ import threading
 from types import FrameType
 
 from idemq.cli.commands import EXIT_NOT_FOUND, EXIT_OK, console, err_console
+from idemq.drivers.urls import mask_url
 
 __all__ = ["cmd_outbox_retry", "cmd_relay"]
 
@@ -39,7 +40,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    err_console.print(f"idemq relay: {outbox.where} → {args.broker.split('@')[-1]}")
+    log.info("idemq relay: %s → %s", outbox.where, mask_url(args.broker))
     try:
         relay.run(stop)
     finally:
@@ -47,9 +48,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         relay.close()
         store.close()
-    err_console.print(
-        f"idemq relay stopped: published={relay.published_total} dead={relay.dead_total}"
-    )
+    log.info("idemq relay stopped: published=%d dead=%d", relay.published_total, relay.dead_total)
     return EXIT_OK
 
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
-from rich.logging import RichHandler
+from rich.markup import escape
 
 from idemq.cli.commands import (
     EXIT_FAILED,
@@ -33,8 +33,17 @@ from idemq.cli.commands import (
     cmd_worker,
     err_console,
 )
+from idemq.cli.logs import LOG_FORMATS, configure_logging
 from idemq.cli.outbox_commands import cmd_outbox_retry, cmd_relay
-from idemq.errors import ConfigurationError, IdemqError, InvalidInputError, StoreError
+from idemq.cli.schema_commands import cmd_schema_upgrade
+from idemq.errors import (
+    BrokerError,
+    BrokerUnavailableError,
+    ConfigurationError,
+    IdemqError,
+    InvalidInputError,
+    StoreError,
+)
 
 __all__ = ["main"]
 
@@ -59,6 +68,15 @@ def parse_header(text: str) -> tuple[str, str]:
 
 
 # -- parser --------------------------------------------------------------------------------
+
+
+def _add_log_format(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: one plain line per record off a terminal; json: one object per line",
+    )
 
 
 def _add_store_naming(command: argparse.ArgumentParser) -> None:
@@ -139,6 +157,11 @@ def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
     chaos.add_argument("--rate", type=float, default=0.0, help="messages/s (default: unpaced)")
     chaos.add_argument("--keep", action="store_true", help="keep tables, keys and queue")
     chaos.add_argument(
+        "--two-hop",
+        action="store_true",
+        help="pay adds a ship message to the outbox; relays publish it; ship workers consume it",
+    )
+    chaos.add_argument(
         "--tune-broker",
         action="store_true",
         help="RabbitMQ < 3.12: shorten the server-wide consumer_timeout for the run (restored)",
@@ -159,6 +182,7 @@ def _add_outbox_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
         "--keep-sent-s", type=float, default=0.0, help="keep sent rows this long (default: delete)"
     )
     relay.add_argument("--create-schema", action="store_true", help="create missing tables first")
+    _add_log_format(relay)
     outbox = add("outbox", lambda _: EXIT_USAGE, "outbox operations")
     outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True, metavar="retry")
     retry = outbox_sub.add_parser("retry", help="move a dead outbox row back to be published")
@@ -224,6 +248,23 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         "--relay", action="store_true", help="also relay the store's outbox to the broker"
     )
     worker.add_argument("--outbox-table", default="idemq_outbox")
+    worker.add_argument(
+        "--declare",
+        choices=("auto", "never"),
+        help="auto (default): use the queue/stream as it exists, create only what is missing;"
+        " never: create nothing (RabbitMQ, NATS)",
+    )
+    worker.add_argument(
+        "--dead-letter", metavar="NAME", help="dead-letter queue/subject (default <queue>.dlq)"
+    )
+    worker.add_argument(
+        "--give-up-after",
+        type=float,
+        metavar="S",
+        help="exit 4 after S seconds of broker outage (default: 30 at start-up, then never)",
+    )
+    _add_log_format(worker)
+    _add_store_naming(worker)
 
     _add_outbox_commands(add)
 
@@ -258,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         help="rows per transaction, so no long lock is held (default 1000)",
     )
     purge.add_argument("--json", action="store_true")
+    _add_store_naming(purge)
 
     publish = add("publish", cmd_publish, "publish one message with a stamped id; print the id")
     publish.add_argument("body", metavar="BODY", help="the message body, or - to read stdin")
@@ -282,35 +324,64 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
 
     schema = add("schema", cmd_schema, "print the dedup table's DDL (or create it with --store)")
     schema.add_argument(
-        "--dialect", choices=["postgresql", "mysql", "mariadb", "sqlite"], default="postgresql"
+        "--dialect",
+        choices=["postgresql", "mysql", "mariadb", "sqlite"],
+        help="the DDL to print (default postgresql); with --store, the store's own dialect",
     )
     schema.add_argument("--table", default="message_idempotent")
     schema.add_argument("--store", help="create the table in this database instead of printing")
     schema.add_argument("--outbox-table", default="idemq_outbox", help="outbox tables' name")
     schema.add_argument("--no-outbox", action="store_true", help="only the dedup table")
+    _add_schema_upgrade(schema)
     return parser
+
+
+def _add_schema_upgrade(schema: argparse.ArgumentParser) -> None:
+    """``schema upgrade``: ``idemq schema`` alone still prints (or creates) the tables."""
+    schema_sub = schema.add_subparsers(dest="schema_command", metavar="upgrade")
+    help_ = "bring tables of an older idemq to the current version in place (online DDL)"
+    upgrade = schema_sub.add_parser("upgrade", help=help_, description=help_)
+    upgrade.set_defaults(func=cmd_schema_upgrade)
+    upgrade.add_argument("--store", required=True, help="SQLAlchemy URL of the tables' database")
+    upgrade.add_argument("--table", default="message_idempotent", help="the dedup table")
+    upgrade.add_argument("--outbox-table", default="idemq_outbox", help="outbox tables' name")
+    upgrade.add_argument("--no-outbox", action="store_true", help="only the dedup table")
+    upgrade.add_argument(
+        "--dry-run", action="store_true", help="print the statements, change nothing"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``idemq`` script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(message)s",
-        handlers=[RichHandler(console=err_console, show_path=False)],
-    )
+    log_format = getattr(args, "log_format", "text")
+    configure_logging(verbose=args.verbose, log_format=log_format)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
     except (ConfigurationError, InvalidInputError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        return EXIT_USAGE
+        return _report(exc, "error", EXIT_USAGE, log_format)
     except StoreError as exc:
-        err_console.print(f"[red]store error:[/red] {exc}")
-        return EXIT_STORE
+        return _report(exc, "store error", EXIT_STORE, log_format)
+    except BrokerUnavailableError as exc:
+        return _report(exc, "broker unavailable", EXIT_STORE, log_format)
+    except BrokerError as exc:  # e.g. a publish the broker did not route
+        return _report(exc, "broker error", EXIT_STORE, log_format)
     except IdemqError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        return EXIT_FAILED
+        return _report(exc, "error", EXIT_FAILED, log_format)
+
+
+def _report(error: IdemqError, label: str, code: int, log_format: str) -> int:
+    """One line on stderr saying what failed (a JSON record with ``--log-format json``)."""
+    text = " ".join(str(error).split())  # one line, whatever the driver's message held
+    if log_format == "json":
+        logging.getLogger("idemq.cli").error(
+            "%s: %s", label, text, extra={"idemq_error": type(error).__name__}
+        )
+    else:
+        # escape(): an install hint's "idemq[rabbitmq]" is text, not rich markup.
+        err_console.print(f"[red]{label}:[/red] {escape(text)}")
+    return code
 
 
 if __name__ == "__main__":

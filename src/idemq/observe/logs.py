@@ -1,10 +1,21 @@
-"""One structured log record per message, for operators who grep."""
+"""One structured log record per message, for operators who grep, and the two formats the
+``idemq`` commands write them in (``--log-format text|json``).
+
+Both formats write one record per line, whatever the terminal width: an operator's
+``grep MSG_ID worker.log`` finds the whole record. An expected failure (an idemq error: the store
+or the broker is down, a bad configuration) is logged as its class and message on the same line;
+a traceback is written only for an unexpected exception, or for every one with ``tracebacks=True``
+(``idemq -v``).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+from datetime import UTC, datetime
 from typing import Any, ClassVar
 
+from idemq.errors import IdemqError
 from idemq.guard.core import Outcome
 from idemq.guard.probes import Observer
 from idemq.observe.labels import outcome_label
@@ -81,3 +92,84 @@ class LoggingObserver(Observer):
                 "idemq_consumer": consumer,
             },
         )
+
+
+# The LoggingObserver's structured fields, under the names a JSON record gives them.
+_FIELDS = {
+    "idemq_message_id": "message_id",
+    "idemq_consumer": "consumer",
+    "idemq_outcome": "outcome",
+    "idemq_duration_ms": "duration_ms",
+    "idemq_error": "error_class",
+}
+
+
+def _one_line(text: str) -> str:
+    # A driver's message may span lines (SQLAlchemy adds its "Background on this error" line);
+    # a record that stays on one line is one grep match.
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", " \\n ")
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    moment = datetime.fromtimestamp(record.created, tz=UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class _Formatter(logging.Formatter):
+    """What both formats share: which exceptions get a traceback."""
+
+    def __init__(self, *, tracebacks: bool = False) -> None:
+        super().__init__()
+        self.tracebacks = tracebacks
+
+    def failure(self, record: logging.LogRecord) -> tuple[BaseException | None, str | None]:
+        """The record's exception, and its traceback if it is to be written."""
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None:
+            return None, None
+        if self.tracebacks or not isinstance(error, IdemqError):
+            assert record.exc_info is not None  # error came from it
+            return error, self.formatException(record.exc_info)
+        return error, None
+
+
+class TextFormatter(_Formatter):
+    """``2026-01-15T14:30:00.123Z WARNING idemq.worker the message: ErrorClass: its text``.
+
+    One line per record; an unexpected exception's traceback follows on the next lines.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record on one line (plus an unexpected exception's traceback)."""
+        line = f"{_timestamp(record)} {record.levelname} {record.name} {record.getMessage()}"
+        error, trace = self.failure(record)
+        if error is not None:
+            line += f": {type(error).__name__}: {error}"
+        line = _one_line(line)
+        return line if trace is None else f"{line}\n{trace}"
+
+
+class JsonFormatter(_Formatter):
+    """One JSON object per line: ``time``, ``level``, ``logger``, ``message``, and the
+    per-message fields ``message_id``, ``consumer``, ``outcome``, ``duration_ms``,
+    ``error_class`` (``null`` when a record has none); ``traceback`` for an unexpected
+    exception.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
+        fields = vars(record)
+        data: dict[str, Any] = {
+            "time": _timestamp(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        data.update({name: fields.get(extra) for extra, name in _FIELDS.items()})
+        error, trace = self.failure(record)
+        if error is not None:
+            data["message"] += f": {type(error).__name__}: {error}"
+            data["error_class"] = data["error_class"] or type(error).__name__
+        if trace is not None:
+            data["traceback"] = trace
+        return json.dumps(data, default=str, ensure_ascii=False)
