@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import pytest
 
 from idemq.chaos import ChaosConfig, ChaosResult, run_chaos
+from tests.conftest import free_port
 from tests.integration.brokers.test_kafka import run_tansu
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -46,12 +46,6 @@ def sqlite(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'ledger.db'}"
 
 
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def kafka_behind_proxy() -> Iterator[str]:
     """A Tansu of its own that advertises a port nobody listens on yet: the chaos run's proxy.
@@ -61,5 +55,5 @@ def kafka_behind_proxy() -> Iterator[str]:
     the broker through it, and it can cut the producer's connections (cause 1 on Kafka).
     """
     advertised = free_port()
-    with run_tansu(free_port(), advertised_port=advertised) as bootstrap:
+    with run_tansu(advertised_port=advertised) as bootstrap:
         yield f"kafka://{bootstrap}?chaos_proxy={advertised}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from idemq.chaos.events import EventLog, Tally
@@ -86,3 +87,54 @@ def test_event_log_appends_one_line_per_event(tmp_path: Path) -> None:
     tally = Tally(tmp_path)
     tally.poll()
     assert [(d.message_id, d.verdict) for d in tally.deliveries] == [("x", "processed")]
+
+
+def test_a_crash_marker_names_the_cause_before_the_supervisor_notices(tmp_path: Path) -> None:
+    """RabbitMQ hands the dead worker's message to another one before the supervisor's next
+    tick: the copy starts before the death is *seen*, so only the marker can name it."""
+    write(
+        tmp_path,
+        1,
+        [
+            start(1, "m1", 1, 0.0),
+            done(1, "m1", "processed", 0.1),  # committed...
+            {"k": "kill", "id": "m1", "where": "after_commit_before_ack", "t": 0.11},  # ...died
+        ],
+    )
+    write(tmp_path, 2, [start(1, "m1", 1, 0.2), done(1, "m1", "duplicate", 0.3)])
+    tally = Tally(tmp_path)
+    tally.kill(1, 0.5)  # the supervisor saw the death after the copy had arrived
+    tally.poll()
+    causes = tally.attribute()
+    assert (causes["crash"], causes["other"]) == (1, 0)
+    assert tally.suppressed_by_cause()["crash"] == 1
+    assert tally.self_kills == 1
+    assert tally.killed_at_s[1] == 0.11  # dated by the marker, the earlier of the two
+
+
+def test_a_marker_written_durably_survives_the_kill(tmp_path: Path) -> None:
+    log = EventLog(tmp_path)
+    log.write("start", seq=1, id="x", copy=1)
+    log.write("kill", durable=True, id="x")
+    log.close()
+    tally = Tally(tmp_path)
+    tally.poll()
+    assert tally.crash_marked == {(os.getpid(), "x")}
+
+
+def test_a_relay_republish_after_the_relay_died_is_a_crash(tmp_path: Path) -> None:
+    """Two hops: relay 50 published the ship message and died before deleting its row; relay 60
+    published it again (same id, its own pid on the copy)."""
+    first = {**start(1, "s1", 1, 1.0), "relay": 50}
+    again = {**start(1, "s1", 1, 3.0), "relay": 60}
+    write(tmp_path, 1, [first, done(1, "s1", "processed", 1.1)])
+    write(tmp_path, 2, [again, done(1, "s1", "duplicate", 3.1)])
+    write(
+        tmp_path, 50, [{"k": "kill", "id": "s1", "where": "after_publish_before_delete", "t": 1.5}]
+    )
+    tally = Tally(tmp_path)
+    tally.poll()
+    causes = tally.attribute()
+    assert (causes["crash"], causes["partition"]) == (1, 0)
+    assert (tally.relay_self_kills, tally.self_kills) == (1, 0)
+    assert tally.suppressed_by_cause()["crash"] == 1

@@ -14,7 +14,7 @@ from .conftest import PG_URL, chaos, sqlite
 
 pytestmark = pytest.mark.slow
 
-tansu = test_kafka.tansu  # the adapter suite's Tansu fixture (port 19092), not a second broker
+tansu = test_kafka.tansu  # the adapter suite's fixture: a Tansu of this module's own, free port
 
 ALL = {"kill_every_s": 1.0, "slow_rate": 0.05, "partition_rate": 0.05}
 BROKERS = {

@@ -94,3 +94,12 @@ def test_self_contained():
     assert "http://" not in page.replace("http://www.w3.org", "")
     assert "https://" not in page
     assert "&lt;b&gt;escaped&lt;/b&gt;" in page
+
+
+def test_a_run_cut_short_before_it_produced_anything_is_not_ok() -> None:
+    """Seen on a loaded machine: `--timeout 3` hit before the first publish, so nothing was
+    unfinished and nothing lost — and the run had proved nothing."""
+    result = ChaosResult("embedded://", "sqlite://", True, 5000, 1, timed_out=True)
+    assert (result.produced, result.unfinished, result.lost) == (0, 0, 0)
+    assert not result.ok
+    assert result.to_json()["ok"] is False

@@ -63,18 +63,36 @@ def render_result(result: ChaosResult, console: Console) -> None:
         ("workers killed", result.crashes),
         ("throughput (applied/s)", result.throughput_per_s),
     ]
+    if result.two_hop:
+        rows += [
+            ("second hop: orders shipped", result.shipped),
+            ("  shipped more than once", result.double_shipped),
+            ("  paid, never shipped", result.unshipped),
+            ("  shipped, never paid", result.shipped_unpaid),
+            ("  outbox rows left", result.outbox_pending),
+            (
+                "  relays killed after publish, before delete",
+                result.injected.get("relay_kills_after_publish_before_delete", 0),
+            ),
+        ]
     for label, value in rows:
         table.add_row(label, str(value))
     console.print(table)
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     if result.ok:
+        both = " and shipped exactly once" if result.two_hop else ""
         console.print(
-            f"[bold green]✓ every message applied exactly once[/bold green] "
+            f"[bold green]✓ every message applied exactly once{both}[/bold green] "
             f"({result.seconds:.1f} s)"
         )
     else:
+        second = (
+            f", {result.double_shipped} shipped more than once, {result.unshipped} never"
+            if result.two_hop
+            else ""
+        )
         console.print(
             f"[bold red]✗ {result.lost} lost, {result.double_applied} applied more than "
-            f"once, {result.unfinished} unfinished[/bold red] ({result.seconds:.1f} s)"
+            f"once, {result.unfinished} unfinished{second}[/bold red] ({result.seconds:.1f} s)"
         )

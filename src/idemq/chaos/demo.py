@@ -11,8 +11,13 @@ table, with worker *processes*. Along the way duplicates are made the way produc
 3. **crash before the ack**: workers are SIGKILLed, some right after their transaction
    committed and before they acknowledged; the message comes back after the restart.
 
-At the end the ledger is checked: every order paid exactly once (``--no-guard`` runs the same
-workload without idemq, so the double payments it prevents are visible).
+Each payment also adds a ``ship`` message to the transactional outbox in the same transaction
+(the second hop): an outbox relay process publishes it to a second queue, and ship workers
+consume it. Relays and ship workers are killed like the payment workers.
+
+At the end the ledger is checked: every order paid exactly once and shipped exactly once
+(``--no-guard`` runs the same workload without idemq, so the double payments and double
+shipments it prevents are visible).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class DemoConfig:
     slow_rate: float = 0.05  # cause 2: share of deliveries that outlast the visibility timeout
     kill_every_s: float = 1.0  # cause 3: a worker is SIGKILLed this often
     seed: int = 7
+    ship_workers: int = 1  # second hop: consumers of the ship queue
+    relays: int = 1  # second hop: outbox relay processes
 
     def chaos(self) -> ChaosConfig:
         """The chaos run this demo is."""
@@ -74,6 +81,9 @@ class DemoConfig:
             keep=True,  # removing it is demo_directory's call (idemq demo --keep)
             accounts=ACCOUNTS,
             opening_balance_cents=OPENING_BALANCE_CENTS,
+            two_hop=True,
+            ship_workers=self.ship_workers,
+            relays=self.relays,
         )
 
 
@@ -95,11 +105,21 @@ class DemoReport:
     duplicates_delivered: int = 0
     duplicates_suppressed: int = 0
     seconds: float = 0.0
+    # The second hop: payment → outbox → relay → ship queue → shipment.
+    shipments: int = 0
+    shipped: int = 0
+    double_shipped: int = 0
+    unshipped: int = 0
+    shipped_unpaid: int = 0
+    outbox_left: int = 0
+    relay_kills: int = 0
 
     @property
     def ok(self) -> bool:
-        """Every order paid exactly once, and the money agrees."""
-        return self.double_paid == 0 and self.lost == 0 and self.balance == self.expected_balance
+        """Every order paid exactly once and shipped exactly once, and the money agrees."""
+        paid = self.double_paid == 0 and self.lost == 0 and self.balance == self.expected_balance
+        shipped = self.double_shipped == self.unshipped == self.shipped_unpaid == 0
+        return paid and shipped
 
     @classmethod
     def from_result(cls, result: ChaosResult) -> DemoReport:
@@ -121,6 +141,13 @@ class DemoReport:
             duplicates_delivered=result.duplicates_delivered,
             duplicates_suppressed=result.duplicates_suppressed,
             seconds=result.seconds,
+            shipments=result.shipped + result.extra_shipments,
+            shipped=result.shipped,
+            double_shipped=result.double_shipped,
+            unshipped=result.unshipped,
+            shipped_unpaid=result.shipped_unpaid,
+            outbox_left=result.outbox_pending,
+            relay_kills=result.injected.get("relay_kills_after_publish_before_delete", 0),
         )
 
 
@@ -153,6 +180,10 @@ def run_demo(config: DemoConfig, progress: Callable[[str], None] = lambda _: Non
         )
     else:
         progress(f"without idemq, {result.double_applied} orders were paid more than once")
+    progress(
+        f"second hop: {result.shipped} of {result.produced} orders shipped through the outbox "
+        f"and its relay, {result.double_shipped} of them more than once"
+    )
     return DemoReport.from_result(result)
 
 
@@ -168,6 +199,9 @@ def intro(config: DemoConfig) -> str:
         "the queue hands the message to another worker;\n"
         "  3. [bold]crash before ack[/bold]: workers are killed, some right after their payment "
         "committed, before they acknowledged.\n"
+        "Each payment also writes a [bold]ship[/bold] message to the outbox in its transaction; "
+        "a relay publishes it to a second queue, where ship workers consume it (the second "
+        "hop; relays and ship workers are killed too).\n"
         f"Queue and ledger (SQLite) in {config.directory}; guard: {guard}"
     )
 
@@ -191,18 +225,25 @@ def render_report(report: DemoReport, console: Console) -> None:
     table.add_row("orders paid more than once", str(report.double_paid))
     table.add_row("orders never paid", str(report.lost))
     table.add_row("balance / expected (cents)", f"{report.balance:,} / {report.expected_balance:,}")
+    table.add_row("second hop: shipments recorded", str(report.shipments))
+    table.add_row("orders shipped more than once", str(report.double_shipped))
+    table.add_row("paid orders never shipped", str(report.unshipped))
+    table.add_row("relays killed after a publish, before its delete", str(report.relay_kills))
+    table.add_row("outbox rows left", str(report.outbox_left))
     console.print(table)
     console.print("[bold]What the counts mean[/bold]")
     for line in _meanings(report):
         console.print(f"• {line}")
     if report.ok:
         console.print(
-            f"[bold green]✓ every order paid exactly once[/bold green] ({report.seconds:.1f} s)"
+            "[bold green]✓ every order paid exactly once and shipped exactly once[/bold green]"
+            f" ({report.seconds:.1f} s)"
         )
     else:
         console.print(
             f"[bold red]✗ {report.double_paid} orders paid more than once, "
-            f"{report.lost} never[/bold red] ({report.seconds:.1f} s)"
+            f"{report.lost} never; {report.double_shipped} shipped more than once, "
+            f"{report.unshipped} never[/bold red] ({report.seconds:.1f} s)"
         )
 
 
@@ -232,6 +273,14 @@ def _meanings(report: DemoReport) -> list[str]:
         "[bold]balance / expected[/bold]: what is left in the accounts, against the opening "
         "balance minus each order's price once. Equal only if no order was paid twice (money "
         "would be missing) and none was skipped (money never taken)."
+    )
+    lines.append(
+        f"[bold]second hop[/bold]: each payment added its ship message to the outbox in the "
+        f"same transaction, so a payment that rolled back sent nothing and one that committed "
+        f"cannot lose it. {report.shipments} shipments for {report.produced} orders: a relay "
+        f"killed after publishing and before deleting the row ({report.relay_kills} times) "
+        "makes another relay publish it again with the same id, and the ship consumer's dedup "
+        "row answers that copy DUPLICATE."
     )
     return lines
 

@@ -1,16 +1,21 @@
 """What the workers saw, written as they saw it — and why each duplicate delivery happened.
 
 Every worker process appends JSON lines to its own file (``events-<pid>.jsonl``): one
-``start`` when a delivery reaches the guard, one ``done`` when it was settled, and ``kill``
-when the worker shoots itself between commit and ack. Files, not a multiprocessing queue: a
+``start`` when a delivery reaches the guard, one ``done`` when it was settled, and ``kill`` —
+the crash marker, naming the message it holds, written and fsynced before the worker shoots
+itself between commit and ack (the supervisor reports its own kills with the time its SIGKILL
+left, see :meth:`Tally.kill`). Files, not a multiprocessing queue: a
 process SIGKILLed while holding a queue's shared write lock would deadlock every other writer,
 and a half-written last line is simply skipped by the reader.
 
 :class:`Tally` replays the events and attributes every delivery after a message's first one:
 
 * ``partition`` — a copy the broker got from a producer retry (a new ``copy`` number);
+* ``crash``     — in a two-hop run, also a copy an outbox relay published again because the relay
+  that had published it died before deleting the row (a new ``relay`` pid, the earlier one dead);
 * ``slow``      — the same copy again while its previous delivery was still running;
-* ``crash``     — the same copy again after the worker holding it was killed before settling;
+* ``crash``     — the same copy again after the worker holding it died: its crash marker names
+  that message, or the supervisor's SIGKILL left before the copy came back;
 * ``other``     — the same copy again for any other reason (e.g. a consumer-group rebalance);
 * ``retry``     — not a duplicate: redelivery the worker asked for (IN_PROGRESS, handler error).
 """
@@ -26,10 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CAUSES", "COPY_HEADER", "Delivery", "EventLog", "Tally"]
+__all__ = ["CAUSES", "COPY_HEADER", "RELAY_HEADER", "Delivery", "EventLog", "Tally"]
 
 COPY_HEADER = "idemq-chaos-copy"
 """Publish attempt that produced this broker copy (1 = first); set by the chaos producer."""
+
+RELAY_HEADER = "idemq-chaos-relay"
+"""Pid of the outbox relay that published this copy (second hop of a two-hop run)."""
 
 CAUSES = ("partition", "slow", "crash", "other")
 _RETRY_VERDICTS = frozenset({"in_progress", "handler_error", "store_unavailable"})
@@ -43,11 +51,16 @@ class EventLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
 
-    def write(self, kind: str, **fields: Any) -> None:
-        """One event; ``os.write`` of one line, so a kill leaves at most one partial line."""
+    def write(self, kind: str, *, durable: bool = False, **fields: Any) -> None:
+        """One event; ``os.write`` of one line, so a kill leaves at most one partial line.
+
+        ``durable``: fsync before returning (the crash marker: the process dies right after).
+        """
         line = json.dumps({"k": kind, "t": time.time(), "pid": os.getpid(), **fields}) + "\n"
         with self._lock:
             os.write(self._fd, line.encode())
+            if durable:
+                os.fsync(self._fd)
 
     def close(self) -> None:
         """Close the file."""
@@ -65,6 +78,7 @@ class Delivery:
     end_s: float | None = None
     verdict: str | None = None
     slow: bool = False  # the worker stalled this delivery on purpose (cause 2)
+    relay: int = 0  # pid of the outbox relay that published this copy (0: the producer)
     cause: str | None = None  # None for a message's first delivery
 
 
@@ -73,17 +87,22 @@ class Tally:
     """Incremental reader of every worker's events, plus the supervisor's kills."""
 
     directory: Path
-    killed_at_s: dict[int, float] = field(default_factory=dict)  # pid → when it was seen dead
+    killed_at_s: dict[int, float] = field(default_factory=dict)  # pid → when it died (earliest)
     kill_times_s: list[float] = field(default_factory=list)
     deliveries: list[Delivery] = field(default_factory=list)
-    self_kills: int = 0
+    self_kills: int = 0  # workers: after the commit, before the ack
+    relay_self_kills: int = 0  # relays: after a confirmed publish, before the row's delete
+    crash_marked: set[tuple[int, str]] = field(default_factory=set)  # (pid, message id)
     _open: dict[tuple[int, int], Delivery] = field(default_factory=dict)
     _offsets: dict[Path, int] = field(default_factory=dict)
 
     def kill(self, pid: int, at_s: float) -> None:
-        """The supervisor saw worker ``pid`` die from a kill at ``at_s``."""
-        self.killed_at_s[pid] = at_s
+        """Worker ``pid`` was killed at ``at_s`` (the supervisor's signal, or its own marker)."""
+        self._died(pid, at_s)
         self.kill_times_s.append(at_s)
+
+    def _died(self, pid: int, at_s: float) -> None:
+        self.killed_at_s[pid] = min(at_s, self.killed_at_s.get(pid, at_s))
 
     def poll(self) -> None:
         """Read what the workers appended since the last poll."""
@@ -110,6 +129,7 @@ class Tally:
                 int(event["pid"]),
                 float(event["t"]),
                 slow=bool(event.get("slow")),
+                relay=int(event.get("relay", 0)),
             )
             self._open[key] = delivery
             self.deliveries.append(delivery)
@@ -118,7 +138,14 @@ class Tally:
             delivery.end_s = float(event["t"])
             delivery.verdict = str(event["v"])
         elif event["k"] == "kill":
-            self.self_kills += 1
+            # The crash marker: this worker held this message, committed, and died unacked.
+            if event.get("where") == "after_publish_before_delete":
+                self.relay_self_kills += 1
+            else:
+                self.self_kills += 1
+            if event.get("id") is not None:
+                self.crash_marked.add((int(event["pid"]), str(event["id"])))
+            self._died(int(event["pid"]), float(event["t"]))
 
     # -- derived -----------------------------------------------------------------------------
 
@@ -138,12 +165,16 @@ class Tally:
         return counts
 
     def _cause(self, delivery: Delivery, earlier: list[Delivery]) -> str:
-        same_copy = [d for d in earlier if d.copy == delivery.copy]
+        same_copy = [d for d in earlier if (d.copy, d.relay) == (delivery.copy, delivery.relay)]
         if not same_copy:
+            if delivery.relay and any(self._died_before(d.relay, delivery) for d in earlier):
+                return "crash"  # republished: the relay that published it first was killed
             return "partition"
         previous = same_copy[-1]
         if previous.verdict in _RETRY_VERDICTS:
             return "retry"
+        if (previous.pid, previous.message_id) in self.crash_marked:
+            return "crash"  # its worker said so before dying with the message unacked
         killed_s = self.killed_at_s.get(previous.pid)
         died_first = killed_s is not None and killed_s <= delivery.start_s
         if previous.end_s is None and died_first:
@@ -157,6 +188,10 @@ class Tally:
             # handed the copy out while the slow one ran, logged after the slow one finished.
             return "slow"
         return "other"
+
+    def _died_before(self, pid: int, delivery: Delivery) -> bool:
+        killed_s = self.killed_at_s.get(pid)
+        return pid != 0 and killed_s is not None and killed_s <= delivery.start_s
 
     def suppressed_by_cause(self) -> Counter[str]:
         """Duplicate deliveries the guard answered DUPLICATE, by cause (after :meth:`attribute`):

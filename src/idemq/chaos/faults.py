@@ -41,6 +41,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from idemq.brokers import open_broker
@@ -54,6 +55,7 @@ __all__ = [
     "Capabilities",
     "ProducerBroker",
     "capabilities",
+    "declare_queue",
     "open_producer",
     "redelivery_s",
     "slow_s",
@@ -78,6 +80,7 @@ class Capabilities:
     slow_note: str = ""
     min_uptime_s: float = 0.0  # how long a fresh worker needs before it consumes at all
     handover_s: float = 0.0  # from the timer firing until another worker holds the copy
+    arm_timeout_s: float = 3.0  # an armed worker that acks nothing this long is SIGKILLed anyway
     tuned: bool = False  # the run changes a server-wide setting (RabbitMQ consumer_timeout)
 
 
@@ -109,6 +112,7 @@ _CAPABILITIES = {
         ),
         min_uptime_s=4.0,  # group join + first fetch after a restart
         handover_s=2.5,  # leave the group, rebalance, fetch from the committed offset
+        arm_timeout_s=8.0,  # a rebalance after a kill can leave a member without records as long
     ),
 }
 
@@ -283,6 +287,30 @@ def open_producer(
             proxy.close()
         raise
     return ProducerBroker(inner), proxy
+
+
+def declare_queue(producer: ProducerBroker, url: str, queue: str, *, consumers: int) -> None:
+    """Declare the run's queue; on Kafka, a topic with one partition per consumer.
+
+    A Kafka group gives each partition to one member: with the adapter's one-partition topic,
+    one worker of W would ever get a message, and the kills and slow handlers of the others
+    would never touch one. The topic is created here (confluent-kafka's ``AdminClient``) before
+    the adapter's ``declare``, which then finds it and creates only the dead-letter topic.
+    """
+    if scheme_of(url) == "kafka" and consumers > 1:
+        import confluent_kafka  # noqa: PLC0415  # the kafka extra, needed only here
+        import confluent_kafka.admin  # noqa: PLC0415
+
+        new_topic: Any = confluent_kafka.admin.NewTopic  # type: ignore[attr-defined]
+        admin = confluent_kafka.admin.AdminClient({"bootstrap.servers": urlsplit(url).netloc})
+        futures = admin.create_topics([new_topic(queue, consumers, 1)])
+        for future in futures.values():
+            try:
+                future.result(10.0)
+            except confluent_kafka.KafkaException as exc:
+                if exc.args[0].code() != confluent_kafka.KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise BrokerUnavailableError(f"Kafka: cannot create topic: {exc}") from exc
+    producer.declare(queue)
 
 
 def _open_kafka_producer(

@@ -23,7 +23,7 @@ from sqlalchemy import Engine, select
 
 from idemq.chaos.orders import OrderTables
 
-__all__ = ["InvariantReport", "Violation", "check_invariants"]
+__all__ = ["InvariantReport", "ShipmentReport", "Violation", "check_invariants", "check_shipments"]
 
 _PAID_STATES = frozenset({"PAID", "SHIPPED"})
 
@@ -119,3 +119,40 @@ def check_invariants(engine: Engine, tables: OrderTables) -> InvariantReport:
         if a.balance < 0:
             flag(Violation("negative_balance", a.account_id, f"balance {a.balance}"))
     return report
+
+
+@dataclass
+class ShipmentReport:
+    """The second hop of a two-hop run: each paid order shipped exactly once, nothing else.
+
+    ``shipped`` orders with a shipment, ``double_shipped`` those with more than one,
+    ``unshipped`` paid orders with none, ``shipped_unpaid`` shipments of an order never debited
+    (a ship message published for a payment that rolled back).
+    """
+
+    shipments: int = 0
+    shipped: int = 0
+    double_shipped: int = 0
+    unshipped: int = 0
+    shipped_unpaid: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every paid order has exactly one shipment and no other order has one."""
+        return self.double_shipped == self.unshipped == self.shipped_unpaid == 0
+
+
+def check_shipments(engine: Engine, tables: OrderTables) -> ShipmentReport:
+    """Compare the shipments with the debits (plain SELECTs, after the run)."""
+    with engine.connect() as conn:
+        shipped = Counter(
+            str(order_id) for (order_id,) in conn.execute(select(tables.shipments.c.order_id)).all()
+        )
+        paid = {str(order_id) for (order_id,) in conn.execute(select(tables.ledger.c.order_id))}
+    return ShipmentReport(
+        shipments=sum(shipped.values()),
+        shipped=len(shipped),
+        double_shipped=sum(1 for n in shipped.values() if n > 1),
+        unshipped=len(paid - shipped.keys()),
+        shipped_unpaid=len(shipped.keys() - paid),
+    )

@@ -8,6 +8,8 @@ Lives in the package so ``idemq chaos`` works once installed; ``examples/orders`
   checker can prove ``balance == opening_balance - debits``.
 * ``{prefix}ledger``   — one row per debit, with the message id. Deliberately **no** unique index
   on order_id: a double debit must be *visible* to the invariant checker, not an error.
+* ``{prefix}shipments`` — one row per shipment (second hop of ``idemq chaos --two-hop``), with
+  the message id; no unique index either, so a double shipment is visible.
 
 A message body is JSON ``{"event": "pay" | "ship", "order_id": "o-1"}``. What each
 :class:`idemq.TransitionResult` does in :meth:`OrderService.handle`:
@@ -80,6 +82,7 @@ class OrderTables:
     orders: Table
     accounts: Table
     ledger: Table
+    shipments: Table
 
     @classmethod
     def build(cls, prefix: str = "") -> OrderTables:
@@ -112,12 +115,19 @@ class OrderTables:
             Column("amount", BigInteger, nullable=False),
             Column("message_id", String(128), nullable=False),
         )
-        return cls(prefix, md, orders, accounts, ledger)
+        shipments = Table(
+            f"{prefix}shipments",
+            md,
+            Column("entry_id", Integer, primary_key=True, autoincrement=True),
+            Column("order_id", String(64), nullable=False, index=True),
+            Column("message_id", String(128), nullable=False),
+        )
+        return cls(prefix, md, orders, accounts, ledger, shipments)
 
     @property
     def names(self) -> list[str]:
         """Table names, for a state machine or a cleanup."""
-        return [self.orders.name, self.accounts.name, self.ledger.name]
+        return [self.orders.name, self.accounts.name, self.ledger.name, self.shipments.name]
 
 
 def create_schema(engine: Engine, tables: OrderTables) -> None:
@@ -326,6 +336,17 @@ class OrderService:
             )
         )
         return int(amount)
+
+    def ship_unconditionally(self, tx: Connection, order_id: str, message_id: str) -> int:
+        """The second hop's consumer: mark SHIPPED and record a shipment, no state check.
+
+        Like :meth:`pay_unconditionally`, every call ships, so only the dedup guard keeps a
+        second delivery from shipping twice. Returns 1 (one shipment recorded).
+        """
+        orders = self.tables.orders
+        tx.execute(update(orders).where(orders.c.order_id == order_id).values(status="SHIPPED"))
+        tx.execute(insert(self.tables.shipments).values(order_id=order_id, message_id=message_id))
+        return 1
 
 
 def parse_body(msg: MessageLike) -> tuple[str, str]:

@@ -196,9 +196,9 @@ def _invariants(result: ChaosResult) -> list[tuple[str, str, bool]]:
         (
             "the run finished",
             "within its time limit"
-            if not result.unfinished
+            if not result.timed_out
             else f"stopped by its time limit with {result.unfinished} not applied yet",
-            result.unfinished == 0,
+            not result.timed_out,
         ),
         (
             "no message applied twice",

@@ -57,6 +57,15 @@ class ChaosResult:
     seconds: float = 0.0
     throughput_per_s: float = 0.0
     timed_out: bool = False
+    # Two-hop runs (pay → outbox → relay → ship): orders shipped, shipped more than once,
+    # paid but never shipped (on a run that finished), shipped though never paid, rows left.
+    two_hop: bool = False
+    shipped: int = 0
+    double_shipped: int = 0
+    unshipped: int = 0
+    shipped_unpaid: int = 0
+    extra_shipments: int = 0
+    outbox_pending: int = 0
     notes: list[str] = field(default_factory=list)
     timeline: list[dict[str, int]] = field(default_factory=list)
     bucket_s: float = 1.0
@@ -64,8 +73,13 @@ class ChaosResult:
     @property
     def ok(self) -> bool:
         """The invariant: no message lost, none applied twice — on a run that finished (one cut
-        short by its time limit proves neither)."""
-        return self.lost == 0 and self.double_applied == 0 and self.unfinished == 0
+        short by its time limit proves neither, and is never ok); two hops: each paid order
+        shipped once."""
+        one_hop = self.lost == 0 and self.double_applied == 0 and self.unfinished == 0
+        second = self.double_shipped == 0 and self.unshipped == 0 and self.shipped_unpaid == 0
+        # Cut short before the producer got far, a run can have nothing unfinished and still
+        # have proved nothing about the messages it never sent.
+        return one_hop and second and not self.timed_out
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object (shared/DESIGN.md), the timeline left out."""

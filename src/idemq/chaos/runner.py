@@ -7,6 +7,15 @@ Timeline of one run::
     supervisor: restarts the dead, kills one every kill_every_s, until every order is applied;
     drain: no kills, wait until no delivery for a quiet period; stop; read the ledger.
 
+``two_hop`` adds a second hop, the chain idemq's outbox makes exactly once end to end::
+
+    pay worker: debit + outbox.add(ship) in one transaction ─► outbox table ─► relay processes
+    (OutboxRelay, publish with confirms, delete after) ─► ship queue ─► ship workers ─► shipments
+
+The supervisor kills relays as it kills workers (an armed relay dies after a confirmed publish,
+before the delete: the row is published again). The verdict adds: every paid order shipped
+exactly once, no shipment for an order never paid, nothing left in the outbox.
+
 The verdict comes from the business ledger, not from what the workers said: ``applied`` counts
 distinct message ids with a debit, ``double_applied`` those with more than one.
 """
@@ -20,8 +29,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -38,13 +47,15 @@ from idemq.chaos.faults import (
     slow_s,
     worker_url,
 )
-from idemq.chaos.invariants import check_invariants
+from idemq.chaos.invariants import check_invariants, check_shipments
 from idemq.chaos.orders import OrderTables, create_schema, drop_schema, make_engine, seed
 from idemq.chaos.proxy import FaultProxy
 from idemq.chaos.result import ChaosResult, Progress
 from idemq.chaos.supervisor import Supervisor
 from idemq.chaos.worker import WorkerSpec
-from idemq.errors import BrokerUnavailableError
+from idemq.errors import BrokerUnavailableError, ConfigurationError
+from idemq.outbox.admin import outbox_stats
+from idemq.outbox.outbox import Outbox
 
 __all__ = ["ChaosConfig", "run_chaos"]
 
@@ -78,6 +89,11 @@ class ChaosConfig:
     # May the run change a server-wide broker setting for its duration (RabbitMQ before 3.12:
     # consumer_timeout, the only way to get cause 2 there)? Restored afterwards.
     tune_broker: bool = False
+    # Second hop: pay adds a ship message to the outbox in its transaction, relays publish it,
+    # ship workers consume it (a SQL store: the outbox lives in its database).
+    two_hop: bool = False
+    ship_workers: int | None = None  # second hop's workers (default: ``workers``)
+    relays: int = 2
 
 
 def run_chaos(
@@ -95,6 +111,8 @@ class _Run:
         run_id = uuid.uuid4().hex[:8]
         self.prefix = f"chaos_{run_id}_"
         self.queue = f"chaos_{run_id}"
+        self.ship_queue = f"chaos_{run_id}_ship" if config.two_hop else ""
+        self.outbox_table = f"{self.prefix}outbox"
         self.directory = config.directory or Path(tempfile.mkdtemp(prefix="idemq-chaos-"))
         self.events_dir = self.directory / f"events-{run_id}"
         self.events_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +130,7 @@ class _Run:
             guard=config.guard,
             messages=config.messages,
             workers=config.workers,
+            two_hop=config.two_hop,
         )
         self.produced = 0
         self.partitions = 0
@@ -134,6 +153,10 @@ class _Run:
                 logger.setLevel(level)
 
     def _run(self) -> ChaosResult:
+        if self.config.two_hop and self.redis_store:
+            raise ConfigurationError(
+                "idemq chaos --two-hop needs a SQL store: the outbox is a table in its database"
+            )
         self._notes()
         engine = make_engine(self.ledger_url)
         try:
@@ -144,13 +167,21 @@ class _Run:
                 partitions=self.config.partition_rate > 0,
             )
             try:
-                producer.declare(self.queue)
+                faults.declare_queue(
+                    producer, self.config.broker_url, self.queue, consumers=self.config.workers
+                )
+                if self.ship_queue:
+                    faults.declare_queue(
+                        producer, self.config.broker_url, self.ship_queue, consumers=self._ships
+                    )
                 with self._tuned_broker():
                     self._supervise(producer, proxy)
                 self._verdict(engine)
             finally:
                 if not self.config.keep:
                     producer.delete_queue(self.queue)
+                    if self.ship_queue:
+                        producer.delete_queue(self.ship_queue)
                 producer.close()
                 if proxy is not None:
                     proxy.close()
@@ -208,6 +239,33 @@ class _Run:
             store = SqlStore(self.config.store_url, table=f"{self.prefix}dedup")
             store.create_schema()
             store.close()
+        if self.ship_queue:
+            with self._outbox() as outbox:
+                outbox.create_schema()
+
+    @contextlib.contextmanager
+    def _outbox(self) -> Iterator[Outbox]:
+        from idemq.stores.sql.store import SqlStore  # noqa: PLC0415
+
+        store = SqlStore(self.config.store_url)
+        try:
+            yield Outbox(store, table=self.outbox_table)
+        finally:
+            store.close()
+
+    @property
+    def _ships(self) -> int:
+        return self.config.ship_workers or self.config.workers
+
+    def _specs(self) -> list[WorkerSpec]:
+        """One spec per process: the pay workers, then (two hops) ship workers and relays."""
+        pay = self._spec()
+        if not self.ship_queue:
+            return [pay] * self.config.workers
+        pay = replace(pay, ship_queue=self.ship_queue, outbox_table=self.outbox_table)
+        ship = replace(pay, role="ship", queue=self.ship_queue, consumer=f"{self.prefix}shipments")
+        relay = replace(pay, role="relay", slow_rate=0.0)
+        return [pay] * self.config.workers + [ship] * self._ships + [relay] * self.config.relays
 
     def _spec(self) -> WorkerSpec:
         c = self.config
@@ -239,19 +297,19 @@ class _Run:
                 tally.kill(pid, at_s)
 
         supervisor = Supervisor(
-            self._spec(),
-            c.workers,
+            self._specs(),
             c.kill_every_s,
             on_death,
             rng=random.Random(c.seed + 1),
             min_uptime_s=self.caps.min_uptime_s,
+            arm_timeout_s=self.caps.arm_timeout_s,
         )
         started_s, started_wall = time.monotonic(), time.time()
         thread = threading.Thread(target=self._produce, args=(producer, proxy), daemon=True)
         supervisor.start()
         thread.start()
         reader = sa.create_engine(self.ledger_url)  # plain reads: no BEGIN IMMEDIATE needed
-        applied, last_count, quiet_since, next_read = 0, -1, time.monotonic(), 0.0
+        applied, shipped, last_count, quiet_since, next_read = 0, 0, -1, time.monotonic(), 0.0
         quiet_s = min(2 * redelivery_s(worker_url(c.broker_url)) + self.caps.handover_s + 1, 15.0)
         try:
             while True:
@@ -264,8 +322,9 @@ class _Run:
                 tally.poll()
                 if now >= next_read:
                     applied = self._applied(reader)
+                    shipped = self._shipped(reader) if self.ship_queue else self.produced
                     next_read = now + 0.5
-                done = not thread.is_alive() and applied >= self.produced
+                done = not thread.is_alive() and min(applied, shipped) >= self.produced
                 if done:
                     supervisor.killing = False  # drain: let late duplicates arrive, no new kills
                 if len(tally.deliveries) != last_count:
@@ -323,6 +382,12 @@ class _Run:
             count = conn.execute(sa.select(sa.func.count(sa.distinct(ledger.c.message_id))))
             return int(count.scalar_one())
 
+    def _shipped(self, reader: sa.Engine) -> int:
+        shipments = self.tables.shipments
+        with reader.connect() as conn:
+            count = conn.execute(sa.select(sa.func.count(sa.distinct(shipments.c.order_id))))
+            return int(count.scalar_one())
+
     def _count(
         self, tally: Tally, supervisor: Supervisor, killed: int, started: float, seconds: float
     ) -> None:
@@ -342,6 +407,7 @@ class _Run:
             "producer_retries": self.publish_attempts - self.produced,
             "kills": supervisor.kills,
             "kills_after_commit_before_ack": tally.self_kills,
+            "relay_kills_after_publish_before_delete": tally.relay_self_kills,
             "slow_handlers": sum(1 for d in tally.deliveries if d.slow),
         }
         r.produced = self.produced
@@ -376,9 +442,28 @@ class _Run:
                 )
             ).scalar_one()
         r.owed_cents = int(owed)
+        if self.ship_queue:
+            self._hop_two_verdict(engine)
         r.throughput_per_s = round(r.applied / r.seconds, 1) if r.seconds else 0.0
 
+    def _hop_two_verdict(self, engine: sa.Engine) -> None:
+        r = self.result
+        shipments = check_shipments(engine, self.tables)
+        r.shipped = shipments.shipped
+        r.double_shipped = shipments.double_shipped
+        r.shipped_unpaid = shipments.shipped_unpaid
+        # Like `lost`: a run cut short may still have the missing shipments on their way.
+        r.unshipped = 0 if r.timed_out else shipments.unshipped
+        if r.timed_out:
+            r.unfinished += shipments.unshipped
+        r.extra_shipments = shipments.shipments - shipments.shipped
+        with self._outbox() as outbox:
+            r.outbox_pending = outbox_stats(outbox).pending
+
     def _cleanup(self, engine: sa.Engine) -> None:
+        if self.ship_queue:
+            with self._outbox() as outbox:
+                outbox.drop_schema()
         drop_schema(engine, self.tables)
         if self.config.guard and not self.redis_store:
             with engine.begin() as conn:

@@ -1,11 +1,15 @@
-"""Keeps W worker processes alive while killing one every ``kill_every_s`` (cause 3).
+"""Keeps the run's processes alive while killing one every ``kill_every_s`` (cause 3).
 
-Each kill tick picks a random live worker and, alternately,
+One process per slot, each with its :class:`~idemq.chaos.worker.WorkerSpec`: the W workers of
+the first hop and, in a two-hop run, the second hop's workers and the outbox relays. Each kill
+tick picks a random live process and, alternately (armed first: a run with one kill still makes
+a duplicate),
 
 * SIGKILLs it at once — a random point: mid-handler, mid-commit, between commit and ack, idle;
 * or *arms* it (SIGUSR1): it SIGKILLs itself at its next ack, i.e. right after the business
-  commit and before the broker hears of it — the case that makes a duplicate for sure. An armed
-  worker that reaches no ack within ``arm_timeout_s`` is SIGKILLed anyway.
+  commit and before the broker hears of it — the case that makes a duplicate for sure (an armed
+  relay: right after a confirmed publish, before the row is deleted). An armed process that
+  does not get there within ``arm_timeout_s`` is SIGKILLed anyway.
 
 Dead workers are restarted at once (a fork server with idemq preloaded makes that cheap).
 """
@@ -33,8 +37,7 @@ _PRELOAD = ["idemq.chaos.worker", "sqlalchemy"]
 class Supervisor:
     """Starts, watches, kills and restarts the worker processes (call :meth:`tick` often)."""
 
-    spec: chaos_worker.WorkerSpec
-    workers: int
+    specs: list[chaos_worker.WorkerSpec]  # one per slot: pay / ship workers and relays
     kill_every_s: float  # 0 = never
     on_death: Callable[[int, float, bool], None]  # (pid, when, killed by us)
     clock_s: Callable[[], float] = time.monotonic
@@ -50,7 +53,9 @@ class Supervisor:
     _procs: dict[int, BaseProcess] = field(default_factory=dict)
     _born_s: dict[int, float] = field(default_factory=dict)  # slot → start time
     _doomed: dict[int, float] = field(default_factory=dict)  # pid → SIGKILL deadline
+    _sigkilled_s: dict[int, float] = field(default_factory=dict)  # pid → wall time of our SIGKILL
     _next_kill_s: float = 0.0
+    _turns: int = 0
 
     def __post_init__(self) -> None:
         self._ctx = multiprocessing.get_context("forkserver")
@@ -58,12 +63,12 @@ class Supervisor:
 
     def start(self) -> None:
         """Start every worker; the first kill comes ``kill_every_s`` later."""
-        for slot in range(self.workers):
+        for slot in range(len(self.specs)):
             self._spawn(slot)
         self._next_kill_s = self.clock_s() + self.kill_every_s
 
     def _spawn(self, slot: int) -> None:
-        proc = self._ctx.Process(target=chaos_worker.run, args=(self.spec,), daemon=True)
+        proc = self._ctx.Process(target=chaos_worker.run, args=(self.specs[slot],), daemon=True)
         proc.start()
         self._procs[slot] = proc
         self._born_s[slot] = self.clock_s()
@@ -80,7 +85,10 @@ class Supervisor:
                 continue
             proc.join()
             killed = self._doomed.pop(pid, None) is not None
-            self.on_death(pid, time.time(), killed)
+            # When the signal left, not when we noticed: the broker may hand the dead worker's
+            # message to another one before this tick (an armed worker's own crash marker
+            # dates its death in the events).
+            self.on_death(pid, self._sigkilled_s.pop(pid, time.time()), killed)
             self.restarts += 1
             self._spawn(slot)
         if self.killing and self.kill_every_s > 0 and now >= self._next_kill_s:
@@ -88,27 +96,36 @@ class Supervisor:
             self._kill_one(now)
 
     def _kill_one(self, now: float) -> None:
+        # Roles in turn (pay workers, ship workers, relays), so each one is killed in a short
+        # run too; with three roles and two kinds of kill, six kills cover every pair.
+        roles = sorted({spec.role for spec in self.specs})
+        role = roles[self._turns % len(roles)]
+        self._turns += 1  # a turn whose role has nobody to kill still passes
         alive = [
             p.pid
             for slot, p in self._procs.items()
             if p.is_alive()
+            and p.pid is not None
             and p.pid not in self._doomed
             and now - self._born_s[slot] >= self.min_uptime_s
+            and self.specs[slot].role == role
         ]
         if not alive:
             return
-        pid = self.rng.choice([p for p in alive if p is not None])
+        pid = self.rng.choice(alive)
         self.kills += 1
-        # Alternate, so even a short run has both kinds (a coin could give only one).
+        # Alternate, so even a short run has both kinds (a coin could give only one), armed
+        # first: it is the kill that makes a duplicate for sure, so a run with one kill has one.
         if self.kills % 2 == 1:
-            self._doomed[pid] = now
-            self._sigkill(pid)
-        else:
             self.armed_kills += 1
             self._doomed[pid] = now + self.arm_timeout_s
             self._signal(pid, signal.SIGUSR1)
+        else:
+            self._doomed[pid] = now
+            self._sigkill(pid)
 
     def _sigkill(self, pid: int) -> None:
+        self._sigkilled_s.setdefault(pid, time.time())
         self._signal(pid, signal.SIGKILL)
 
     @staticmethod

@@ -4,13 +4,21 @@
   just runs the handler in a plain transaction — the consumer idemq replaces);
 * **slow** (cause 2): a share of first deliveries stall for 1.5 x the broker's redelivery timer;
 * **armed kill** (cause 3): after SIGUSR1 from the supervisor, the worker SIGKILLs itself at the
-  next ack — the effect is committed, the ack never leaves;
+  next ack — the effect is committed, the ack never leaves; first it writes (and fsyncs) a crash
+  marker naming the message to its event file, so the redelivered copy is attributed to the
+  crash from the deliveries themselves;
 * every delivery is logged to the :class:`~idemq.chaos.events.EventLog` before the guard and
   after settlement, so the runner can tell which cause produced which duplicate.
+
+Two-hop runs (``role``): a ``pay`` worker also adds the order's ``ship`` message to the outbox
+in the payment's transaction; ``relay`` processes run the real :class:`~idemq.OutboxRelay` to
+the ship queue (stamping their pid on each copy; an armed relay dies right after a confirmed
+publish, before the row's delete); ``ship`` workers consume it and record the shipment.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -29,15 +37,19 @@ import sqlalchemy as sa
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker, Delivery, Received
 from idemq.brokers.settlement import RetryPolicy
-from idemq.chaos.events import COPY_HEADER, EventLog
+from idemq.chaos.events import COPY_HEADER, RELAY_HEADER, EventLog
 from idemq.chaos.orders import OrderService, make_engine, parse_body
 from idemq.guard.core import Outcome, Status
 from idemq.guard.idempotency import Idempotency
 from idemq.message import Message
+from idemq.outbox.outbox import Outbox
+from idemq.outbox.relay import OutboxRelay
 from idemq.stores.sql.store import SqlStore
 from idemq.worker.loop import Worker
 
 __all__ = ["WorkerSpec", "run"]
+
+RELAY_LEASE_S = 2.0  # SQLite relays: a killed relay's rows are taken over this soon
 
 # Retry quickly: a chaos run is short, and IN_PROGRESS twins should come back soon.
 CHAOS_POLICY = RetryPolicy(
@@ -66,6 +78,11 @@ class WorkerSpec:
     slow_before_claim: bool  # SQLite: stalling inside the transaction would block every writer
     lease_s: float
     seed: int
+    # Two-hop runs: "pay" workers also add a ship message to the outbox in their transaction,
+    # "relay" processes publish the outbox to ``ship_queue``, "ship" workers consume it.
+    role: str = "pay"
+    ship_queue: str = ""  # empty: one hop (pay only)
+    outbox_table: str = ""
 
 
 class _Faulty(Delivery):
@@ -80,6 +97,7 @@ class _Faulty(Delivery):
                 inner.message,
                 inner.decode_error,
                 inner.delivery_attempt,
+                inner.not_before_ms,
             )
         )
         self.inner = inner
@@ -88,13 +106,16 @@ class _Faulty(Delivery):
 
     def _ack(self) -> Future[None]:
         if self._armed.is_set():
-            # The effect is committed; the ack never leaves. The broker must redeliver.
-            self._log.write("kill", where="after_commit_before_ack")
+            # The effect is committed; the ack never leaves. The broker must redeliver. The
+            # crash marker names the message, on disk before the kill: the runner reads the
+            # cause of its next copy from it, not from when the supervisor noticed the death.
+            message_id = self.message.id if self.message is not None else None
+            self._log.write("kill", durable=True, id=message_id, where="after_commit_before_ack")
             os.kill(os.getpid(), signal.SIGKILL)
         return self.inner.ack()  # its future: a failed ack is counted, not dropped
 
-    def _retry(self, delay_s: float) -> Future[None]:
-        return self.inner.retry(delay_s)
+    def _retry(self, delay_s: float, counted: bool) -> Future[None]:
+        return self.inner.retry(delay_s, counted=counted)
 
     def _dead_letter(self, reason: str) -> Future[None]:
         return self.inner.dead_letter(reason)
@@ -170,7 +191,8 @@ class _ChaosGuard:
             # First attempts only: a slow redelivery could be slow again, forever.
             slow = attempt == 1 and self.rng.random() < self.spec.slow_rate
         copy = int(message.headers.get(COPY_HEADER, "1")) if message else 1
-        self.log.write("start", seq=seq, id=message_id, copy=copy, slow=slow)
+        relay = int(message.headers.get(RELAY_HEADER, "0")) if message else 0
+        self.log.write("start", seq=seq, id=message_id, copy=copy, relay=relay, slow=slow)
         verdict = "handler_error"
         try:
             if slow and self.spec.slow_before_claim:
@@ -221,7 +243,7 @@ def _open_guard(spec: WorkerSpec) -> tuple[Idempotency | None, sa.Engine]:
 
 
 def run(spec: WorkerSpec) -> None:
-    """The worker process body: consume until SIGTERM (or until killed)."""
+    """The process body: consume (or relay) until SIGTERM, or until killed."""
     armed = threading.Event()
 
     def on_arm(signum: int, frame: FrameType | None) -> None:
@@ -233,18 +255,36 @@ def run(spec: WorkerSpec) -> None:
     # Expected noise under chaos (late acks, reconnects) would drown the progress display.
     logging.getLogger("idemq").setLevel(logging.ERROR)
     log = EventLog(Path(spec.events_dir))
+    try:
+        if spec.role == "relay":
+            _relay(spec, armed, log)
+        else:
+            _consume(spec, armed, log)
+    finally:
+        log.close()
+
+
+def _consume(spec: WorkerSpec, armed: threading.Event, log: EventLog) -> None:
     guard, ledger = _open_guard(spec)
     service = OrderService(prefix=spec.prefix)
     lease = guard is not None and guard.mode.value == "lease"
     chaos_guard = _ChaosGuard(spec, guard, ledger, log)
+    outbox = _outbox(spec, guard) if spec.role == "pay" and spec.ship_queue else None
 
     def handle(msg: Message, tx: Any) -> dict[str, Any]:
         _, order_id = parse_body(msg)
+        if spec.role == "ship":
+            return {"shipped": service.ship_unconditionally(tx, order_id, msg.id)}
         if lease:
             # Lease mode: a kill between effect and `complete` re-runs the effect, so the
             # business guard (state machine) must absorb it — the README's guarantee table.
             return {"pay": service.pay(tx, order_id, msg.id).value}
-        return {"debited": service.pay_unconditionally(tx, order_id, msg.id)}
+        debited = service.pay_unconditionally(tx, order_id, msg.id)
+        if outbox is None:
+            return {"debited": debited}
+        # The next hop's message, in the payment's transaction: both commit or neither.
+        body = json.dumps({"event": "ship", "order_id": order_id}).encode()
+        return {"debited": debited, "ship": outbox.add(tx, spec.ship_queue, body)}
 
     broker = _FaultyBroker(open_broker(spec.broker_url), armed, log)
     worker = Worker(
@@ -266,7 +306,60 @@ def run(spec: WorkerSpec) -> None:
         if guard is not None:
             guard.store.close()
         ledger.dispose()
-        log.close()
+
+
+def _outbox(spec: WorkerSpec, guard: Idempotency | None) -> Outbox:
+    # Guarded: the guard's own store, so the row joins the dedup transaction. Unguarded: a
+    # store on the same database, used for its engine only (the handler's tx is the ledger's).
+    store = guard.store if guard is not None else SqlStore(spec.store_url)
+    return Outbox(store, table=spec.outbox_table)
+
+
+class _RelayBroker(_FaultyBroker):
+    """The relay's broker: stamps the relay's pid on every copy; dies after a confirmed publish
+    when armed — the row is still in the outbox, so another relay publishes it again."""
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+    ) -> None:
+        stamped = {**(headers or {}), RELAY_HEADER: str(os.getpid())}
+        self.inner.publish(queue, body, headers=stamped, message_id=message_id)
+        if self._armed.is_set():
+            where = "after_publish_before_delete"
+            self._log.write("kill", durable=True, id=message_id, where=where)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _relay(spec: WorkerSpec, armed: threading.Event, log: EventLog) -> None:
+    """An :class:`~idemq.OutboxRelay` publishing the pay workers' outbox to the ship queue."""
+    store = SqlStore(spec.store_url)
+    broker = _RelayBroker(open_broker(spec.broker_url), armed, log)
+    relay = OutboxRelay(
+        Outbox(store, table=spec.outbox_table),
+        broker,
+        batch_size=10,
+        poll_s=0.2,
+        lease_s=RELAY_LEASE_S,
+        backoff_s=0.1,
+        max_backoff_s=1.0,
+    )
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        relay.run(stop)
+    finally:
+        relay.close()
+        broker.close()
+        store.close()
 
 
 class _Remembering(_FaultyBroker):
