@@ -53,8 +53,9 @@ from typing import Any
 import psycopg
 
 ROOT = Path(__file__).resolve().parents[1]
-PG_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+DB = os.environ.get("IDEMQ_BENCH_DB", "test")  # bench/scale.py runs in a database of its own
+PG_DSN = f"host=127.0.0.1 port=5432 user=postgres dbname={DB}"
+PG_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{DB}"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NATS_URL = "nats://127.0.0.1:4222"
