@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import idemq.errors
-from idemq.cli import commands, outbox_commands
+from idemq.cli import commands, outbox_commands, schema_commands
 from tests.conftest import CI
 from tests.unit.test_readme import README, code_blocks, section
 
@@ -72,7 +72,7 @@ def test_troubleshooting_names_every_exception_and_exit_code():
 
 def test_cli_page_lists_every_command():
     # cmd_demo -> `idemq demo`, cmd_id_new -> `idemq id new`: one function per command.
-    functions = [*commands.__all__, *outbox_commands.__all__]
+    functions = [*commands.__all__, *outbox_commands.__all__, *schema_commands.__all__]
     names = [n.removeprefix("cmd_").replace("_", " ") for n in functions if n[:4] == "cmd_"]
     assert "id new" in names
     page = (ROOT / "docs" / "ops" / "cli.md").read_text(encoding="utf-8")
