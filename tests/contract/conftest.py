@@ -48,18 +48,21 @@ LEASE_STORES = ["memory", *SQL_STORES, "redis", "redis-cluster"]
 LEASE_CLOCK = "client"
 
 
-def make_sql_store(kind: str, tmp_path: Path, lease_clock: str = LEASE_CLOCK) -> idemq.SqlStore:
+def make_sql_store(
+    kind: str, tmp_path: Path, lease_clock: str = LEASE_CLOCK, **options: Any
+) -> idemq.SqlStore:
+    """A SQL store of ``kind`` on a table of its own; ``options`` go to :class:`idemq.SqlStore`."""
     if kind == "sqlite":
-        return idemq.SqlStore(f"sqlite:///{tmp_path / 'idemq.db'}", table=unique("mi"))
+        return idemq.SqlStore(f"sqlite:///{tmp_path / 'idemq.db'}", table=unique("mi"), **options)
     if kind == "postgres":
         require_service("postgres")
-        return idemq.SqlStore(PG_URL, table=unique("mi"), lease_clock=lease_clock)
+        return idemq.SqlStore(PG_URL, table=unique("mi"), lease_clock=lease_clock, **options)
     require_service("mysql")
     # "mysql-generic" runs MySQL 8's plan (INSERT IGNORE + locking read) against MariaDB, so the
     # portable path is proven too, not only MariaDB's one-statement RETURNING claim.
     flavor = "mysql" if kind == "mysql-generic" else None
     return idemq.SqlStore(
-        MYSQL_URL, table=unique("mi"), mysql_flavor=flavor, lease_clock=lease_clock
+        MYSQL_URL, table=unique("mi"), mysql_flavor=flavor, lease_clock=lease_clock, **options
     )
 
 

@@ -24,14 +24,15 @@ import enum
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
-from idemq.errors import StoreError
+from idemq.errors import ConfigurationError, StoreError
 
 __all__ = [
     "DEFAULT_CONSUMER",
     "LEASE_CLOCKS",
+    "UTC_EPOCH",
     "AsyncStore",
     "ForgetResult",
     "AsyncTransactionalStore",
@@ -44,6 +45,7 @@ __all__ = [
     "Store",
     "StoreStats",
     "TransactionalStore",
+    "expiry_ms",
 ]
 
 DEFAULT_CONSUMER = "default"
@@ -52,10 +54,26 @@ LEASE_CLOCKS = ("store", "client")
 """The values of the SQL and Redis stores' ``lease_clock`` option: leases set and judged on the
 store server's clock, or on the guard's (injected) clock."""
 
+UTC_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+"""Epoch milliseconds 0 as an aware datetime: ``UTC_EPOCH + MILLISECOND * ms``."""
+
 MILLISECOND = timedelta(milliseconds=1)
 """``epoch + MILLISECOND * ms``: a stored epoch-ms time as a datetime. Exact integer arithmetic,
 and the cheapest form (a third less than ``timedelta(0, 0, 0, ms)``); claims and duplicates
 convert one or two per message."""
+
+
+def expiry_ms(expires_after_s: float | None) -> int | None:
+    """A store's ``expires_after_s`` checked, in milliseconds: None (completed records never
+    expire; ``purge`` removes them) or how long after its completion a record still answers
+    DUPLICATE. Past that it counts as absent and its message runs again."""
+    if expires_after_s is None:
+        return None
+    if isinstance(expires_after_s, bool) or not isinstance(expires_after_s, int | float):
+        raise ConfigurationError(f"expires_after_s must be a number, got {expires_after_s!r}")
+    if not expires_after_s > 0:
+        raise ConfigurationError(f"expires_after_s must be positive, got {expires_after_s!r}")
+    return round(expires_after_s * 1000)
 
 
 class ForgetResult(enum.StrEnum):
@@ -129,6 +147,15 @@ class Record:
 
     def lease_expired(self, now_ms: int) -> bool:
         return self.lease_until_ms is not None and self.lease_until_ms <= now_ms
+
+    def completed_before(self, cutoff_ms: int) -> bool:
+        """Whether this is a PROCESSED record completed before ``cutoff_ms`` (epoch ms): on a
+        store with ``expires_after_s``, one that counts as absent, so its message runs again."""
+        return (
+            self.status is RecordStatus.PROCESSED
+            and self.processed_time is not None
+            and self.processed_time < UTC_EPOCH + MILLISECOND * cutoff_ms
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from idemq.stores.base import (
     Record,
     RecordStatus,
     StoreStats,
+    expiry_ms,
 )
 
 __all__ = ["MemoryStore"]
@@ -37,19 +38,27 @@ class MemoryStore:
 
     Records are replaced, never changed in place, and handed out as copies: what a caller does
     with a record it was given never reaches the store (as with the SQL and Redis stores).
+
+    ``expires_after_s``: as :class:`~idemq.SqlStore`'s — a record completed longer ago than
+    that counts as absent, and its message runs again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, expires_after_s: float | None = None) -> None:
         self._records: dict[Key, Record] = {}
         self._lock = threading.Lock()
+        self.expires_after_ms = expiry_ms(expires_after_s)
 
     def claim(self, request: ClaimRequest) -> Claim:
         with self._lock:
             return self._claim(request)
 
+    def _expired(self, record: Record, now_ms: int) -> bool:
+        expires_after_ms = self.expires_after_ms
+        return expires_after_ms is not None and record.completed_before(now_ms - expires_after_ms)
+
     def _claim(self, request: ClaimRequest) -> Claim:
         current = self._records.get(request.key)
-        if current is None:
+        if current is None or self._expired(current, request.now_ms):
             self._records[request.key] = Record(
                 consumer=request.key.consumer,
                 message_id=request.key.message_id,

@@ -47,7 +47,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.expression import ColumnClause
 
 from idemq.drivers.sql import Plan, Step
-from idemq.errors import ConfigurationError, LeaseLostError
+from idemq.errors import ConfigurationError, LeaseLostError, StoreConflictError
 from idemq.stores.base import (
     MILLISECOND,
     Claim,
@@ -58,7 +58,7 @@ from idemq.stores.base import (
     RecordStatus,
     StoreStats,
 )
-from idemq.stores.sql.schema import as_utc
+from idemq.stores.sql.schema import UtcDateTime, as_utc
 
 __all__ = [
     "CLAIM_TRIES",
@@ -254,9 +254,17 @@ class SqlPlans(ABC):
     in its compiled cache afterwards.
     """
 
-    def __init__(self, table: Table, dialect: Dialect, *, store_clock: bool = False) -> None:
+    def __init__(
+        self,
+        table: Table,
+        dialect: Dialect,
+        *,
+        store_clock: bool = False,
+        expires_after_ms: int | None = None,
+    ) -> None:
         self.table = table
         self.dialect = dialect
+        self.expires_after_ms = expires_after_ms
         self.clock = self.server_clock() if store_clock else CLIENT_CLOCK
         clock = self.clock
         self.columns = record_columns(table)
@@ -308,6 +316,13 @@ class SqlPlans(ABC):
         self.release_stmt = delete(table).where(self.key_is, processing, owner_is)
         self.release_in_stmt = delete(table).where(self.key_is, owner_is)
         self.force_release_stmt = delete(table).where(self.key_is, processing)
+        # An expired record, deleted only while it still is one: a racing claim that already
+        # replaced it with a fresh record (or a new claim) leaves nothing here to delete.
+        self.expire_stmt = delete(table).where(
+            self.key_is,
+            c.status == constant(PROCESSED),
+            c.processed_time < bindparam("b_cutoff", type_=UtcDateTime()),
+        )
         self.renew_stmt = (
             update(table)
             .where(self.key_is, processing, owner_is)
@@ -382,6 +397,31 @@ class SqlPlans(ABC):
             params["b_now_ms"] = request.now_ms
         return params
 
+    def claim_unexpired(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:
+        """:meth:`claim`, where a record completed more than ``expires_after_ms`` before the
+        request counts as absent: it is deleted, in the claim's own transaction (so a handler
+        that fails in transactional mode rolls the deletion back with its claim), and the claim
+        made again. The window is judged on the request's clock against the stored processed
+        time; the delete checks it again on the row, so of two duplicates that meet the same
+        expired record one deletes it and claims, the other finds the fresh claim."""
+        for _ in range(CLAIM_TRIES):
+            claim = yield from self.claim(request, transactional)
+            if claim.record is None or not self._completed_before_expiry(claim.record, request):
+                return claim
+            cutoff = EPOCH + MILLISECOND * self._expiry_cutoff_ms(request)
+            yield Step(self.expire_stmt, {**key_params(request.key), "b_cutoff": cutoff})
+        raise StoreConflictError("an expired record kept coming back while being claimed")
+
+    def _completed_before_expiry(self, record: Record, request: ClaimRequest) -> bool:
+        """Whether ``record`` counts as absent for ``request`` (see :meth:`claim_unexpired`)."""
+        return self.expires_after_ms is not None and record.completed_before(
+            self._expiry_cutoff_ms(request)
+        )
+
+    def _expiry_cutoff_ms(self, request: ClaimRequest) -> int:
+        """Records completed before this (epoch ms) count as absent, when records expire."""
+        return request.now_ms - (self.expires_after_ms or 0)
+
     def claim_many(
         self, requests: Sequence[ClaimRequest], transactional: bool
     ) -> Plan[list[Claim]]:
@@ -409,8 +449,12 @@ class SqlPlans(ABC):
             record = found.get(request.key.message_id)
             if record is not None and record.owner == request.owner:
                 claims.append(Claim.won())
-            elif record is None or (not transactional and self._maybe_expired(record, request)):
-                claims.append((yield from self.claim(request, transactional)))
+            elif (
+                record is None
+                or (not transactional and self._maybe_expired(record, request))
+                or self._completed_before_expiry(record, request)
+            ):
+                claims.append((yield from self.claim_unexpired(request, transactional)))
             else:
                 claims.append(Claim.lost_to(record))
         return claims

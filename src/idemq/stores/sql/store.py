@@ -44,6 +44,7 @@ from idemq.stores.base import (
     Key,
     Record,
     StoreStats,
+    expiry_ms,
 )
 from idemq.stores.sql.dialects import plans_for
 from idemq.stores.sql.plans import SqlPlans
@@ -56,13 +57,16 @@ from idemq.stores.sql.schema import (
 )
 from idemq.stores.sql.versions import create_recorded, forget_version, plan_upgrade
 
-__all__ = ["DEFAULT_URL", "SqlStore", "SqlStoreBase", "schema_sql"]
+__all__ = ["DEFAULT_URL", "OWN_TRANSACTION_ATTEMPTS", "SqlStore", "SqlStoreBase", "schema_sql"]
 
 DEFAULT_URL = "sqlite:///idemq.db"
 
 log = logging.getLogger("idemq.store")
 
 T = TypeVar("T")
+
+OWN_TRANSACTION_ATTEMPTS = 3
+"""How often a store's own transaction runs when the server keeps rolling it back (deadlocks)."""
 
 #: A primitive, given the store's plans: ``lambda plans: plans.get(key)``.
 Primitive = Callable[[SqlPlans], Plan[T]]
@@ -94,14 +98,17 @@ class SqlStoreBase:
         self,
         url: URL,
         table: str,
+        *,
         schema: str | None,
         mysql_flavor: str | None,
         lease_clock: str | None,
+        expires_after_s: float | None,
     ) -> None:
         self.table = build_table(table, schema=schema)
         self.url = url
         self._mysql_flavor = mysql_flavor
         self.lease_clock = resolve_lease_clock(url, lease_clock)
+        self.expires_after_ms = expiry_ms(expires_after_s)
         self._plans: SqlPlans | None = None
         self.where = f"{url.render_as_string(hide_password=True)} table {table}"
 
@@ -116,6 +123,7 @@ class SqlStoreBase:
                 self.table,
                 mysql_flavor=self._mysql_flavor,
                 store_clock=self.lease_clock == "store",
+                expires_after_ms=self.expires_after_ms,
             )
         return self._plans
 
@@ -178,6 +186,11 @@ class SqlStore(SqlStoreBase):
     lease depends on, and ``stats``/``forget`` judge at the server's now (``now_ms`` is
     ignored). ``"client"``: the guard's injected clock (SQLite's only choice; tests that move
     time with a fake clock).
+
+    ``expires_after_s``: how long a completed record answers DUPLICATE. A record completed
+    longer ago (by the guard's clock, against its stored ``processed_time``) counts as absent:
+    the next delivery of its message deletes it in the claim's transaction and runs again.
+    None (the default): records never expire; ``purge`` removes old ones.
     """
 
     def __init__(
@@ -188,10 +201,18 @@ class SqlStore(SqlStoreBase):
         schema: str | None = None,
         mysql_flavor: str | None = None,
         lease_clock: str | None = None,
+        expires_after_s: float | None = None,
         **engine_kwargs: Any,
     ) -> None:
         self.engine = url if isinstance(url, Engine) else engine_from_url(url, **engine_kwargs)
-        super().__init__(self.engine.url, table, schema, mysql_flavor, lease_clock)
+        super().__init__(
+            self.engine.url,
+            table,
+            schema=schema,
+            mysql_flavor=mysql_flavor,
+            lease_clock=lease_clock,
+            expires_after_s=expires_after_s,
+        )
 
     # -- schema ------------------------------------------------------------------------------
 
@@ -263,15 +284,27 @@ class SqlStore(SqlStoreBase):
         return run(tx, primitive(self._plans_for(tx.dialect)), f"{doing} on {self.where}")
 
     def _own_transaction(self, doing: str, primitive: Primitive[T]) -> T:
-        """Run ``primitive`` in a short transaction of the store's own."""
-        with begin(self.engine, self.where) as conn:
-            return self._in_transaction(conn, doing, primitive)
+        """Run ``primitive`` in a short transaction of the store's own, and again (up to
+        :data:`OWN_TRANSACTION_ATTEMPTS` times) when it ends in a
+        :class:`~idemq.StoreConflictError`: the transaction was rolled back whole, so nothing
+        of it is left to redo. Two lease claims that both read a record under a shared lock and
+        then change it (MySQL's portable plan, an expired record's delete) deadlock; the loser
+        runs again and finds the winner's claim."""
+        attempt = 1
+        while True:
+            try:
+                with begin(self.engine, self.where) as conn:
+                    return self._in_transaction(conn, doing, primitive)
+            except StoreConflictError:
+                if attempt >= OWN_TRANSACTION_ATTEMPTS:
+                    raise
+                attempt += 1
 
     # -- transactional primitives ------------------------------------------------------------
 
     def claim_in(self, tx: Connection, request: ClaimRequest) -> Claim:
         """Claim inside ``tx``, the business transaction (the row is written PROCESSED)."""
-        return self._in_transaction(tx, "claim", lambda plans: plans.claim(request, True))
+        return self._in_transaction(tx, "claim", lambda plans: plans.claim_unexpired(request, True))
 
     def claim_many_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim a batch inside ``tx``: one multi-row insert, one read."""
@@ -291,7 +324,7 @@ class SqlStore(SqlStoreBase):
 
     def claim(self, request: ClaimRequest) -> Claim:
         """Claim in lease mode, in a short transaction of the store's own."""
-        return self._own_transaction("claim", lambda plans: plans.claim(request, False))
+        return self._own_transaction("claim", lambda plans: plans.claim_unexpired(request, False))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim a batch in lease mode (one transaction)."""

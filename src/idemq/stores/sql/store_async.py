@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from idemq._clock import system_clock_ms
 from idemq.drivers.sql import abegin, arun, async_engine_from_url, translated
-from idemq.errors import ConfigurationError, StoreError
+from idemq.errors import ConfigurationError, StoreConflictError, StoreError
 from idemq.stores.base import (
     DEFAULT_CONSUMER,
     Claim,
@@ -27,7 +27,12 @@ from idemq.stores.base import (
     StoreStats,
 )
 from idemq.stores.sql.schema import DEFAULT_TABLE
-from idemq.stores.sql.store import DEFAULT_URL, Primitive, SqlStoreBase
+from idemq.stores.sql.store import (
+    DEFAULT_URL,
+    OWN_TRANSACTION_ATTEMPTS,
+    Primitive,
+    SqlStoreBase,
+)
 
 __all__ = ["AsyncSqlStore"]
 
@@ -45,13 +50,21 @@ class AsyncSqlStore(SqlStoreBase):
         schema: str | None = None,
         mysql_flavor: str | None = None,
         lease_clock: str | None = None,
+        expires_after_s: float | None = None,
         **engine_kwargs: Any,
     ) -> None:
         if isinstance(url, AsyncEngine):
             self.engine = url
         else:
             self.engine = async_engine_from_url(url, **engine_kwargs)
-        super().__init__(self.engine.url, table, schema, mysql_flavor, lease_clock)
+        super().__init__(
+            self.engine.url,
+            table,
+            schema=schema,
+            mysql_flavor=mysql_flavor,
+            lease_clock=lease_clock,
+            expires_after_s=expires_after_s,
+        )
 
     async def create_schema(self) -> None:
         """See :meth:`SqlStore.create_schema`."""
@@ -107,12 +120,21 @@ class AsyncSqlStore(SqlStoreBase):
 
     async def _own_transaction(self, doing: str, primitive: Primitive[T]) -> T:
         """See :meth:`SqlStore._own_transaction`."""
-        async with abegin(self.engine, self.where) as conn:
-            return await self._in_transaction(conn, doing, primitive)
+        attempt = 1
+        while True:
+            try:
+                async with abegin(self.engine, self.where) as conn:
+                    return await self._in_transaction(conn, doing, primitive)
+            except StoreConflictError:
+                if attempt >= OWN_TRANSACTION_ATTEMPTS:
+                    raise
+                attempt += 1
 
     async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
         """Claim inside ``tx``, the business transaction (the row is written PROCESSED)."""
-        return await self._in_transaction(tx, "claim", lambda plans: plans.claim(request, True))
+        return await self._in_transaction(
+            tx, "claim", lambda plans: plans.claim_unexpired(request, True)
+        )
 
     async def claim_many_in(
         self, tx: AsyncConnection, requests: Sequence[ClaimRequest]
@@ -132,7 +154,9 @@ class AsyncSqlStore(SqlStoreBase):
 
     async def claim(self, request: ClaimRequest) -> Claim:
         """Claim in lease mode, in a short transaction of the store's own."""
-        return await self._own_transaction("claim", lambda plans: plans.claim(request, False))
+        return await self._own_transaction(
+            "claim", lambda plans: plans.claim_unexpired(request, False)
+        )
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim a batch in lease mode (one transaction)."""
