@@ -59,10 +59,39 @@ def test_each_cause_is_named_from_what_happened(tmp_path: Path) -> None:
     assert tally.verdicts()["duplicate"] == 2
     # m1's retried copy and m2's slow one were answered DUPLICATE; m3's crash copy did the work.
     suppressed = tally.suppressed_by_cause()
-    assert dict(suppressed) == {"partition": 1, "slow": 1, "crash": 0, "other": 0}
+    assert dict(suppressed) == {"partition": 1, "slow": 1, "crash": 0, "cut": 0, "other": 0}
     timeline = tally.timeline(0.0, 1.0)
     assert sum(p["deliveries"] for p in timeline) == 8
     assert sum(p["kills"] for p in timeline) == 1
+
+
+def test_a_copy_handed_to_another_host_during_a_cut_is_the_cuts(tmp_path: Path) -> None:
+    # Host 1 (pid 1) holds m1 when it goes off the network at 1.0 s; the broker gives m1 to pid
+    # 2 at 4.0 s; back at 11.0 s, pid 1 ends its delivery with an error (its transaction was
+    # gone). A slow delivery on pid 2 outside the cut stays "slow".
+    write(
+        tmp_path,
+        1,
+        [start(1, "m1", 1, 0.5), done(1, "m1", "handler_error", 11.5)],
+    )
+    write(
+        tmp_path,
+        2,
+        [
+            start(1, "m1", 1, 4.0),
+            done(1, "m1", "processed", 4.1),
+            start(2, "m2", 1, 20.0),
+            start(3, "m2", 1, 21.0),  # while its first delivery (same pid, no cut) ran
+            done(3, "m2", "duplicate", 21.5),
+            done(2, "m2", "processed", 22.0),
+        ],
+    )
+    tally = Tally(tmp_path)
+    tally.poll()
+    tally.cut({1}, 1.0, 11.0)
+    causes = tally.attribute()
+    assert (causes["cut"], causes["slow"], causes["retry"]) == (1, 1, 0)
+    assert tally.cut_off(tally.deliveries[0])
 
 
 def test_a_torn_last_line_waits_and_bad_lines_are_skipped(tmp_path: Path) -> None:

@@ -8,15 +8,12 @@ import threading
 
 
 class CuttableProxy:
-    """Forwards ``<listen_host>:<port>`` to ``upstream``; :meth:`cut` drops every connection and
-    refuses new ones until :meth:`restore` (connections are accepted, then closed at once).
+    """Forwards 127.0.0.1:<port> to ``upstream``; :meth:`cut` drops every connection and refuses
+    new ones until :meth:`restore` (connections are accepted, then closed at once)."""
 
-    ``listen_host`` is 127.0.0.1 unless a test serves another interface (the host side of a
-    network namespace's veth, in ``tests/hosts``)."""
-
-    def __init__(self, upstream: tuple[str, int], *, listen_host: str = "127.0.0.1") -> None:
+    def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
-        self._listener = socket.create_server((listen_host, 0))
+        self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._cut = threading.Event()
         self._closed = threading.Event()

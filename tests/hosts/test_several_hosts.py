@@ -1,6 +1,6 @@
 """Workers on three hosts, one of them cut off the network while it holds messages.
 
-Three network namespaces (``tests/hosts/netns.py``) stand for three machines; an ``idemq worker``
+Three network namespaces (``idemq.chaos.hosts``) stand for three machines; an ``idemq worker``
 runs in each, consuming one RabbitMQ queue and writing a business ledger in PostgreSQL, both
 reached only through the forwarders on the root side of each host's veth. Host 1's handler is
 slow, so it always holds a few messages. While it does, its veth goes down for longer than every
@@ -35,9 +35,9 @@ import pytest
 import sqlalchemy as sa
 
 from idemq.brokers import open_broker
+from idemq.chaos.hosts import Host, hosts, probe_namespaces
 from tests.conftest import PG_URL, SERVICES, require_service, unique
 from tests.hosts.handlers import HANDLERS, LEASE_WORKER
-from tests.hosts.netns import Host, hosts, probe_namespaces
 
 IDEMQ = str(Path(sys.executable).with_name("idemq"))
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"

@@ -16,6 +16,7 @@ _CAUSE_WORDS = {
     "partition": "partition → confirm timeout → producer retry",
     "slow": "slow consumer → broker redelivery",
     "crash": "worker killed before ack / offset commit",
+    "cut": "host cut off the network → redelivery",
     "other": "other redeliveries (e.g. rebalance)",
 }
 

@@ -16,6 +16,8 @@ and a half-written last line is simply skipped by the reader.
 * ``slow``      — the same copy again while its previous delivery was still running;
 * ``crash``     — the same copy again after the worker holding it died: its crash marker names
   that message, or the supervisor's SIGKILL left before the copy came back;
+* ``cut``       — the same copy again while the worker holding it was on a host cut off the
+  network (``idemq chaos --hosts``): the broker gave up on that worker;
 * ``other``     — the same copy again for any other reason (e.g. a consumer-group rebalance);
 * ``retry``     — not a duplicate: redelivery the worker asked for (IN_PROGRESS, handler error).
 """
@@ -39,7 +41,7 @@ COPY_HEADER = "idemq-chaos-copy"
 RELAY_HEADER = "idemq-chaos-relay"
 """Pid of the outbox relay that published this copy (second hop of a two-hop run)."""
 
-CAUSES = ("partition", "slow", "crash", "other")
+CAUSES = ("partition", "slow", "crash", "cut", "other")
 _RETRY_VERDICTS = frozenset({"in_progress", "handler_error", "store_unavailable"})
 
 
@@ -93,6 +95,8 @@ class Tally:
     self_kills: int = 0  # workers: after the commit, before the ack
     relay_self_kills: int = 0  # relays: after a confirmed publish, before the row's delete
     crash_marked: set[tuple[int, str]] = field(default_factory=set)  # (pid, message id)
+    cut_pids: set[int] = field(default_factory=set)  # processes of a host cut off the network
+    cut_window_s: tuple[float, float] | None = None  # when it was off (wall clock)
     _open: dict[tuple[int, int], Delivery] = field(default_factory=dict)
     _offsets: dict[Path, int] = field(default_factory=dict)
 
@@ -100,6 +104,18 @@ class Tally:
         """Worker ``pid`` was killed at ``at_s`` (the supervisor's signal, or its own marker)."""
         self._died(pid, at_s)
         self.kill_times_s.append(at_s)
+
+    def cut(self, pids: set[int], from_s: float, to_s: float) -> None:
+        """The processes ``pids`` were off the network from ``from_s`` to ``to_s``."""
+        self.cut_pids = set(pids)
+        self.cut_window_s = (from_s, to_s)
+
+    def cut_off(self, delivery: Delivery) -> bool:
+        """Whether ``delivery`` was under way on a host while it was cut off."""
+        if self.cut_window_s is None or delivery.pid not in self.cut_pids:
+            return False
+        from_s, to_s = self.cut_window_s
+        return delivery.start_s < to_s and (delivery.end_s is None or delivery.end_s > from_s)
 
     def _died(self, pid: int, at_s: float) -> None:
         self.killed_at_s[pid] = min(at_s, self.killed_at_s.get(pid, at_s))
@@ -171,6 +187,10 @@ class Tally:
                 return "crash"  # republished: the relay that published it first was killed
             return "partition"
         previous = same_copy[-1]
+        if self.cut_off(previous) and delivery.pid not in self.cut_pids:
+            # Handed to another host while its holder was off the network, whatever the holder
+            # made of it once it was back (a handler error, a refused complete).
+            return "cut"
         if previous.verdict in _RETRY_VERDICTS:
             return "retry"
         if (previous.pid, previous.message_id) in self.crash_marked:

@@ -36,6 +36,7 @@ _CAUSE_LABELS = {
     "partition": "partition → producer retry",
     "slow": "slow consumer → redelivery",
     "crash": "crash before ack",
+    "cut": "host cut off",
     "other": "other redeliveries",
 }
 

@@ -66,6 +66,11 @@ class ChaosResult:
     shipped_unpaid: int = 0
     extra_shipments: int = 0
     outbox_pending: int = 0
+    # Several-hosts runs (--hosts N): messages the cut host held when it went off the network,
+    # and how many of those another host then ran.
+    hosts: int = 0
+    cut_held: int = 0
+    cut_retaken: int = 0
     notes: list[str] = field(default_factory=list)
     timeline: list[dict[str, int]] = field(default_factory=list)
     bucket_s: float = 1.0

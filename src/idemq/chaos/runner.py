@@ -16,6 +16,9 @@ The supervisor kills relays as it kills workers (an armed relay dies after a con
 before the delete: the row is published again). The verdict adds: every paid order shipped
 exactly once, no shipment for an order never paid, nothing left in the outbox.
 
+``hosts`` spreads the processes over network namespaces and cuts one of them off the network
+while it holds messages (:mod:`idemq.chaos.host_cut`).
+
 The verdict comes from the business ledger, not from what the workers said: ``applied`` counts
 distinct message ids with a debit, ``double_applied`` those with more than one.
 """
@@ -47,6 +50,8 @@ from idemq.chaos.faults import (
     slow_s,
     worker_url,
 )
+from idemq.chaos.host_cut import CUT_HOST, HostCut, check_urls
+from idemq.chaos.hosts import MAX_HOSTS
 from idemq.chaos.invariants import check_invariants, check_shipments
 from idemq.chaos.orders import OrderTables, create_schema, drop_schema, make_engine, seed
 from idemq.chaos.proxy import FaultProxy
@@ -94,6 +99,10 @@ class ChaosConfig:
     two_hop: bool = False
     ship_workers: int | None = None  # second hop's workers (default: ``workers``)
     relays: int = 2
+    # Several hosts (network namespaces, root only): the processes spread over ``hosts`` of
+    # them, host 1 cut off the network for ``cut_s`` while it holds messages (0: one host).
+    hosts: int = 0
+    cut_s: float = 12.0
 
 
 def run_chaos(
@@ -131,6 +140,7 @@ class _Run:
             messages=config.messages,
             workers=config.workers,
             two_hop=config.two_hop,
+            hosts=config.hosts,
         )
         self.produced = 0
         self.partitions = 0
@@ -157,6 +167,7 @@ class _Run:
             raise ConfigurationError(
                 "idemq chaos --two-hop needs a SQL store: the outbox is a table in its database"
             )
+        upstreams = self._check_hosts()
         self._notes()
         engine = make_engine(self.ledger_url)
         try:
@@ -174,8 +185,8 @@ class _Run:
                     faults.declare_queue(
                         producer, self.config.broker_url, self.ship_queue, consumers=self._ships
                     )
-                with self._tuned_broker():
-                    self._supervise(producer, proxy)
+                with self._tuned_broker(), self._spread(upstreams) as host_cut:
+                    self._supervise(producer, proxy, host_cut)
                 self._verdict(engine)
             finally:
                 if not self.config.keep:
@@ -206,6 +217,29 @@ class _Run:
             tick_ms=faults.RABBITMQ_TICK_MS,
             hold_s=self.config.timeout_s + 60,  # the node restores by itself if we die
         )
+
+    def _check_hosts(self) -> list[tuple[str, int]]:
+        """A ``--hosts`` run's servers (refused where it cannot run); [] on one host."""
+        c = self.config
+        if not c.hosts:
+            return []
+        if not 2 <= c.hosts <= MAX_HOSTS:
+            raise ConfigurationError(f"--hosts must be 2 to {MAX_HOSTS}, got {c.hosts}")
+        if c.workers < c.hosts:
+            raise ConfigurationError(
+                f"--hosts {c.hosts} needs at least as many --workers, got {c.workers}"
+            )
+        if c.cut_s <= 0:
+            raise ConfigurationError(f"--cut-s must be positive, got {c.cut_s}")
+        return check_urls(c.broker_url, c.store_url, self.ledger_url)
+
+    def _spread(
+        self, upstreams: list[tuple[str, int]]
+    ) -> contextlib.AbstractContextManager[HostCut | None]:
+        """The hosts of a ``--hosts`` run (removed afterwards); None on one host."""
+        if not self.config.hosts:
+            return contextlib.nullcontext()
+        return HostCut.open(self.config.hosts, upstreams, self.config.cut_s, self.directory)
 
     def _notes(self) -> None:
         c, caps = self.config, self.caps
@@ -285,7 +319,9 @@ class _Run:
             seed=c.seed,
         )
 
-    def _supervise(self, producer: ProducerBroker, proxy: FaultProxy | None) -> None:
+    def _supervise(
+        self, producer: ProducerBroker, proxy: FaultProxy | None, host_cut: HostCut | None
+    ) -> None:
         c = self.config
         tally = Tally(self.events_dir)
         killed = 0
@@ -303,6 +339,7 @@ class _Run:
             rng=random.Random(c.seed + 1),
             min_uptime_s=self.caps.min_uptime_s,
             arm_timeout_s=self.caps.arm_timeout_s,
+            spawn=None if host_cut is None else host_cut.spawn,
         )
         started_s, started_wall = time.monotonic(), time.time()
         thread = threading.Thread(target=self._produce, args=(producer, proxy), daemon=True)
@@ -324,7 +361,8 @@ class _Run:
                     applied = self._applied(reader)
                     shipped = self._shipped(reader) if self.ship_queue else self.produced
                     next_read = now + 0.5
-                done = not thread.is_alive() and min(applied, shipped) >= self.produced
+                cut_over = host_cut is None or host_cut.tick(tally, applied, c.messages)
+                done = cut_over and not thread.is_alive() and min(applied, shipped) >= self.produced
                 if done:
                     supervisor.killing = False  # drain: let late duplicates arrive, no new kills
                 if len(tally.deliveries) != last_count:
@@ -343,7 +381,31 @@ class _Run:
             thread.join(30)
             reader.dispose()
         tally.poll()
+        if host_cut is not None:
+            self._host_cut(tally, host_cut)  # first: the cut is a cause the count attributes
         self._count(tally, supervisor, killed, started_wall, time.monotonic() - started_s)
+
+    def _host_cut(self, tally: Tally, host_cut: HostCut) -> None:
+        """What the cut did: which messages the cut host held, which another host then ran."""
+        r = self.result
+        if host_cut.cut_from_s is None:
+            r.notes.append("no host was cut off: the run ended before the cut was due")
+            return
+        from_s, to_s = host_cut.cut_from_s, host_cut.cut_to_s or time.time()
+        tally.cut(host_cut.cut_pids(), from_s, to_s)
+        held = {d.message_id for d in tally.deliveries if tally.cut_off(d) and d.start_s < from_s}
+        retaken = {
+            d.message_id
+            for d in tally.deliveries
+            if d.message_id in held and d.pid not in tally.cut_pids and d.start_s > from_s
+        }
+        r.cut_held, r.cut_retaken = len(held), len(retaken)
+        r.injected["host_cuts"] = 1
+        r.notes.append(
+            f"host {CUT_HOST} of {self.config.hosts} was cut off the network for"
+            f" {to_s - from_s:.1f}s; messages it held then: {len(held)}, of which another host"
+            f" ran {len(retaken)}"
+        )
 
     def _produce(self, producer: ProducerBroker, proxy: FaultProxy | None) -> None:
         c = self.config
@@ -402,14 +464,16 @@ class _Run:
         suppressed = tally.suppressed_by_cause()
         r.suppressed_causes = {cause: suppressed[cause] for cause in CAUSES}
         r.crashes = killed
-        r.injected = {
-            "partitions": self.partitions,
-            "producer_retries": self.publish_attempts - self.produced,
-            "kills": supervisor.kills,
-            "kills_after_commit_before_ack": tally.self_kills,
-            "relay_kills_after_publish_before_delete": tally.relay_self_kills,
-            "slow_handlers": sum(1 for d in tally.deliveries if d.slow),
-        }
+        r.injected.update(
+            {
+                "partitions": self.partitions,
+                "producer_retries": self.publish_attempts - self.produced,
+                "kills": supervisor.kills,
+                "kills_after_commit_before_ack": tally.self_kills,
+                "relay_kills_after_publish_before_delete": tally.relay_self_kills,
+                "slow_handlers": sum(1 for d in tally.deliveries if d.slow),
+            }
+        )
         r.produced = self.produced
         r.seconds = round(seconds, 2)
         r.bucket_s = max(1.0, round(seconds / 60))

@@ -24,13 +24,27 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
+from typing import Protocol
 
 from idemq.chaos import worker as chaos_worker
 
-__all__ = ["Supervisor"]
+__all__ = ["ProcessHandle", "Supervisor"]
 
 _PRELOAD = ["idemq.chaos.worker", "sqlalchemy"]
+
+
+class ProcessHandle(Protocol):
+    """What the supervisor needs of a process it started (a ``multiprocessing`` process, or a
+    :class:`~idemq.chaos.hosts.HostProcess` on another host)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass
@@ -47,10 +61,12 @@ class Supervisor:
     # join completes never consumes at all, and the run would make no progress.
     min_uptime_s: float = 0.0
     killing: bool = True
+    # Starts slot's process from its spec (default: a fork of the supervisor's fork server).
+    spawn: Callable[[int, chaos_worker.WorkerSpec], ProcessHandle] | None = None
     kills: int = 0
     armed_kills: int = 0
     restarts: int = 0
-    _procs: dict[int, BaseProcess] = field(default_factory=dict)
+    _procs: dict[int, ProcessHandle] = field(default_factory=dict)
     _born_s: dict[int, float] = field(default_factory=dict)  # slot → start time
     _doomed: dict[int, float] = field(default_factory=dict)  # pid → SIGKILL deadline
     _sigkilled_s: dict[int, float] = field(default_factory=dict)  # pid → wall time of our SIGKILL
@@ -68,8 +84,15 @@ class Supervisor:
         self._next_kill_s = self.clock_s() + self.kill_every_s
 
     def _spawn(self, slot: int) -> None:
-        proc = self._ctx.Process(target=chaos_worker.run, args=(self.specs[slot],), daemon=True)
-        proc.start()
+        proc: ProcessHandle
+        if self.spawn is not None:
+            proc = self.spawn(slot, self.specs[slot])
+        else:
+            forked = self._ctx.Process(
+                target=chaos_worker.run, args=(self.specs[slot],), daemon=True
+            )
+            forked.start()
+            proc = forked
         self._procs[slot] = proc
         self._born_s[slot] = self.clock_s()
 

@@ -83,6 +83,9 @@ class WorkerSpec:
     role: str = "pay"
     ship_queue: str = ""  # empty: one hop (pay only)
     outbox_table: str = ""
+    # Every first delivery's handler waits this long after its effect, before the commit (the
+    # cut host of ``--hosts``: so that it holds a message, a transaction open, when it goes dark).
+    pause_s: float = 0.0
 
 
 class _Faulty(Delivery):
@@ -197,17 +200,22 @@ class _ChaosGuard:
         try:
             if slow and self.spec.slow_before_claim:
                 time.sleep(self.spec.slow_s)
-            run = self._slowly(handler) if slow and not self.spec.slow_before_claim else handler
+            if slow and not self.spec.slow_before_claim:
+                run = self._slowly(handler, self.spec.slow_s)
+            elif self.spec.pause_s > 0 and not self.spec.slow_before_claim:
+                run = self._slowly(handler, self.spec.pause_s)
+            else:
+                run = handler
             outcome = self._guarded(message_id, run, business_id, payload)
             verdict = outcome.status.value
             return outcome
         finally:
             self.log.write("done", seq=seq, id=message_id, v=verdict)
 
-    def _slowly(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def _slowly(self, handler: Callable[[Any], Any], seconds: float) -> Callable[[Any], Any]:
         def run(tx: Any) -> Any:
             result = handler(tx)
-            time.sleep(self.spec.slow_s)  # effect written, not committed: the twin must wait
+            time.sleep(seconds)  # effect written, not committed: the twin must wait
             return result
 
         return run
@@ -374,3 +382,10 @@ class _Remembering(_FaultyBroker):
             if delivery is not None and delivery.message is not None:
                 self._chaos_guard.current[delivery.message.id] = delivery.message
             yield delivery
+
+
+def run_from_file(path: str) -> None:
+    """:func:`run` with the spec a JSON file holds, for a process that must start elsewhere than
+    in the supervisor's fork server (a host of ``idemq chaos --hosts``, started inside its
+    network namespace: see :class:`~idemq.chaos.hosts.HostProcess`)."""
+    run(WorkerSpec(**json.loads(Path(path).read_text())))

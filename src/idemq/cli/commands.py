@@ -145,6 +145,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         rate_per_s=args.rate,
         tune_broker=args.tune_broker,
         two_hop=args.two_hop,
+        hosts=args.hosts,
+        cut_s=args.cut_s,
     )
     if args.json:
         try:

@@ -166,6 +166,16 @@ def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
         action="store_true",
         help="RabbitMQ < 3.12: shorten the server-wide consumer_timeout for the run (restored)",
     )
+    chaos.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="spread the workers over N hosts (network namespaces, root only) and cut host 1"
+        " off the network while it holds messages",
+    )
+    chaos.add_argument(
+        "--cut-s", type=float, default=12.0, help="how long --hosts keeps host 1 cut off (12)"
+    )
 
 
 def _add_outbox_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
