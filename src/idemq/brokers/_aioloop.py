@@ -72,10 +72,12 @@ class LoopThread:
 async def _logged(fn: Callable[[], Awaitable[object]]) -> None:
     try:
         await fn()
-    except Exception:
+    except Exception as exc:
         # A delayed nack failed (connection gone): the broker requeues unacked messages on
-        # disconnect anyway, so log and move on.
-        log.warning("delayed settlement failed", exc_info=True)
+        # disconnect anyway, so one line and move on; the traceback only at DEBUG (an outage
+        # would otherwise print one per delivery in flight).
+        log.warning("delayed settlement failed: %s: %s", type(exc).__name__, exc)
+        log.debug("delayed settlement failed", exc_info=True)
 
 
 Action = Callable[[], Awaitable[object]]
