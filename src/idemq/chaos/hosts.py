@@ -92,9 +92,12 @@ def probe_namespaces() -> str | None:
 
 class Forwarder:
     """Relays ``<listen_host>:<port>`` to ``upstream`` (on 127.0.0.1), byte for byte, until
-    :meth:`close`; a connection ends when either side ends it, never because it fell silent."""
+    :meth:`close`; a connection ends when either side ends it, never because it fell silent.
 
-    def __init__(self, upstream: tuple[str, int], *, listen_host: str) -> None:
+    :meth:`admits` is asked before each new connection is relayed (a subclass may refuse, as a
+    test's cuttable proxy does), and :meth:`drop_connections` ends every relayed one."""
+
+    def __init__(self, upstream: tuple[str, int], *, listen_host: str = "127.0.0.1") -> None:
         self.upstream = (loopback_only(upstream[0]), upstream[1])
         self._listener = socket.create_server((listen_host, 0))
         self.port: int = self._listener.getsockname()[1]
@@ -103,13 +106,21 @@ class Forwarder:
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True, name="idemq-forwarder").start()
 
+    def admits(self) -> bool:
+        """Whether a new connection is relayed now (else it is closed at once)."""
+        return True
+
+    def drop_connections(self) -> None:
+        """End every relayed connection (new ones are still accepted)."""
+        with self._lock:
+            for sock in list(self._sockets):
+                self._close(sock)
+
     def close(self) -> None:
         """Stop listening and end every relayed connection."""
         self._closed.set()
         self._listener.close()
-        with self._lock:
-            for sock in list(self._sockets):
-                self._close(sock)
+        self.drop_connections()
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -117,12 +128,16 @@ class Forwarder:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if not self.admits():
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=5)
             except OSError:
                 client.close()
                 continue
-            # The timeout was for connecting: a pooled connection may sit idle for long.
+            # The timeout was for connecting: a pooled connection may sit idle for long, and a
+            # relay that closed it after 5 s of silence would be an outage nobody asked for.
             server.settimeout(None)
             with self._lock:
                 self._sockets.update((client, server))

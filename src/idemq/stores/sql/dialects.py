@@ -54,6 +54,7 @@ from idemq.stores.sql.plans import (
     CLAIM_TRIES,
     PROCESSED,
     PROCESSING,
+    PlanOptions,
     SqlPlans,
     StatementClock,
     constant,
@@ -108,15 +109,8 @@ class PostgresPlans(SqlPlans):
     racing takeover re-checks the WHERE on the row it waited for, and finds it taken).
     """
 
-    def __init__(
-        self,
-        table: Table,
-        dialect: Dialect,
-        *,
-        store_clock: bool = False,
-        expires_after_ms: int | None = None,
-    ) -> None:
-        super().__init__(table, dialect, store_clock=store_clock, expires_after_ms=expires_after_ms)
+    def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
+        super().__init__(table, dialect, options)
         self.claim_stmt: dict[bool, Executable] = {
             tx: self._claim_statement(tx) for tx in (True, False)
         }
@@ -238,15 +232,8 @@ class SqlitePlans(SqlPlans):
     )
     _file_size = text("SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()")
 
-    def __init__(
-        self,
-        table: Table,
-        dialect: Dialect,
-        *,
-        store_clock: bool = False,
-        expires_after_ms: int | None = None,
-    ) -> None:
-        super().__init__(table, dialect, store_clock=store_clock, expires_after_ms=expires_after_ms)
+    def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
+        super().__init__(table, dialect, options)
         self.claim_stmt: dict[bool, Executable] = {
             tx: on_conflict(sqlite.insert(table).values(new_row(tx)), tx, self.clock)
             for tx in (True, False)
@@ -283,15 +270,8 @@ class MySqlPlans(SqlPlans):
         "WHERE table_schema = COALESCE(:b_schema, DATABASE()) AND table_name = :b_name"
     )
 
-    def __init__(
-        self,
-        table: Table,
-        dialect: Dialect,
-        *,
-        store_clock: bool = False,
-        expires_after_ms: int | None = None,
-    ) -> None:
-        super().__init__(table, dialect, store_clock=store_clock, expires_after_ms=expires_after_ms)
+    def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
+        super().__init__(table, dialect, options)
         c = table.c
         clock = self.clock
         # A locking read sees the latest committed row, not this transaction's snapshot.
@@ -380,15 +360,8 @@ class MySqlPlans(SqlPlans):
 class MariaDbPlans(MySqlPlans):
     """MariaDB ≥ 10.5: ``INSERT … ON DUPLICATE KEY UPDATE … RETURNING`` claims in one statement."""
 
-    def __init__(
-        self,
-        table: Table,
-        dialect: Dialect,
-        *,
-        store_clock: bool = False,
-        expires_after_ms: int | None = None,
-    ) -> None:
-        super().__init__(table, dialect, store_clock=store_clock, expires_after_ms=expires_after_ms)
+    def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
+        super().__init__(table, dialect, options)
         c = table.c
         claim_stmt: dict[bool, Executable] = {}
         for transactional in (True, False):
@@ -430,22 +403,18 @@ def plans_for(
     table: Table,
     *,
     mysql_flavor: str | None = None,
-    store_clock: bool = False,
-    expires_after_ms: int | None = None,
+    options: PlanOptions | None = None,
 ) -> SqlPlans:
     """The plans for ``table`` on ``dialect``; ``mysql_flavor`` ("mysql"/"mariadb") overrides
-    detection (known once a connection saw the server); ``store_clock``: leases on the database
-    server's clock instead of the guard's; ``expires_after_ms``: completed records older than
-    that count as absent (see :meth:`SqlPlans.claim_unexpired`)."""
-    options: dict[str, Any] = {"store_clock": store_clock, "expires_after_ms": expires_after_ms}
+    detection (known once a connection saw the server); ``options``: see :class:`PlanOptions`."""
     if dialect.name == "postgresql":
-        return PostgresPlans(table, dialect, **options)
+        return PostgresPlans(table, dialect, options)
     if dialect.name == "sqlite":
-        return SqlitePlans(table, dialect, **options)
+        return SqlitePlans(table, dialect, options)
     if dialect.name in ("mysql", "mariadb"):
         flavor = mysql_flavor or ("mariadb" if getattr(dialect, "is_mariadb", False) else "mysql")
         cls = MariaDbPlans if flavor == "mariadb" else MySqlPlans
-        return cls(table, dialect, **options)
+        return cls(table, dialect, options)
     raise ConfigurationError(
         f"the SQL store runs on PostgreSQL, SQLite, MariaDB and MySQL, not {dialect.name!r}"
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -62,6 +63,7 @@ from idemq.stores.sql.schema import UtcDateTime, as_utc
 
 __all__ = [
     "CLAIM_TRIES",
+    "PlanOptions",
     "StatementClock",
     "PROCESSED",
     "PROCESSING",
@@ -246,6 +248,16 @@ def key_params(key: Key) -> dict[str, Any]:
     return {"b_consumer": key.consumer, "b_message_id": key.message_id}
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """How a store's plans are built: ``store_clock``, leases set and judged on the database
+    server's clock instead of the guard's; ``expires_after_ms``, completed records older than
+    that count as absent (see :meth:`SqlPlans.claim_unexpired`)."""
+
+    store_clock: bool = False
+    expires_after_ms: int | None = None
+
+
 class SqlPlans(ABC):
     """The plans of one store's table; a dialect subclass supplies the claim, its insert and the
     size lookup.
@@ -254,18 +266,12 @@ class SqlPlans(ABC):
     in its compiled cache afterwards.
     """
 
-    def __init__(
-        self,
-        table: Table,
-        dialect: Dialect,
-        *,
-        store_clock: bool = False,
-        expires_after_ms: int | None = None,
-    ) -> None:
+    def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
+        options = options or PlanOptions()
         self.table = table
         self.dialect = dialect
-        self.expires_after_ms = expires_after_ms
-        self.clock = self.server_clock() if store_clock else CLIENT_CLOCK
+        self.expires_after_ms = options.expires_after_ms
+        self.clock = self.server_clock() if options.store_clock else CLIENT_CLOCK
         clock = self.clock
         self.columns = record_columns(table)
         c = table.c

@@ -47,7 +47,7 @@ from idemq.stores.base import (
     expiry_ms,
 )
 from idemq.stores.sql.dialects import plans_for
-from idemq.stores.sql.plans import SqlPlans
+from idemq.stores.sql.plans import PlanOptions, SqlPlans
 from idemq.stores.sql.schema import (
     DEFAULT_TABLE,
     SCHEMA_VERSION,
@@ -122,8 +122,9 @@ class SqlStoreBase:
                 dialect,
                 self.table,
                 mysql_flavor=self._mysql_flavor,
-                store_clock=self.lease_clock == "store",
-                expires_after_ms=self.expires_after_ms,
+                options=PlanOptions(
+                    store_clock=self.lease_clock == "store", expires_after_ms=self.expires_after_ms
+                ),
             )
         return self._plans
 
