@@ -3,12 +3,15 @@
 Three tables per database (``bench_bt_0``, ``bench_bt_m`` with ``--mid`` rows, ``bench_bt_n``
 with ``--rows``), filled in bulk (``generate_series`` / MariaDB's ``seq_1_to_N``, not through the
 guard; processed times spread over the last ``--spread-s`` seconds) once and kept between runs
-(``--refill`` makes them again). Then, interleaved in rounds of ``--chunk`` messages per table:
+(``--refill`` makes them again; a run's purges delete rows, so a second run needs it). Then,
+interleaved in rounds of ``--chunk`` messages per table:
 
 * first deliveries and duplicates of old ids (random over the table) through the guard in
   transactional mode, p50/p99 per table size; the target is p99 at ``--rows`` <= 1.3x at 0;
 * four threads of first deliveries on the big table, p99 without and while ``purge`` deletes the
-  rows older than ``--purge-older-than-s`` (target <= 2x), and the purge's rows/s (≥ 50,000).
+  rows older than ``--purge-older-than-s`` (target <= 2x), and the purge's rows/s (≥ 50,000);
+* then the next tenth of the table's age, in ten slices, ``purge`` and the same statement on the
+  bare driver taking turns: what bounds the purge, in the same run.
 
     python bench/big_table.py [--only postgres,mariadb] [--rows 10000000] [--mid 1000000]
 """
@@ -21,7 +24,7 @@ import sys
 import threading
 import time
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -160,8 +163,71 @@ def run(db: str, args: argparse.Namespace) -> None:
         f" during the purge ({pct(busy, 0.99) / pct(quiet, 0.99):.2f}x); purge {n:,} rows in"
         f" {seconds:.1f} s = {n / max(seconds, 1e-9):,.0f} rows/s"
     )
+    purge_vs_bare(big, args)
     for store in stores.values():
         store.close()
+
+
+# The statement each dialect's purge runs (idemq.stores.sql.dialects), on the bare driver.
+BARE_PURGE = {
+    "postgresql": (
+        "DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} WHERE status = 1 AND"
+        " processed_time < %(cutoff)s ORDER BY processed_time LIMIT %(limit)s)) AND status = 1"
+        " AND processed_time < %(cutoff)s"
+    ),
+    "mysql": (
+        "DELETE FROM {t} WHERE status = 1 AND processed_time < %(cutoff)s"
+        " ORDER BY processed_time LIMIT %(limit)s"
+    ),
+}
+
+
+def bare_purge(store: idemq.SqlStore, older_than_s: float, batch: int) -> int:
+    """The purge's own statement in batches on the bare DBAPI connection, committed per batch."""
+    name = store.engine.dialect.name
+    sql = BARE_PURGE["postgresql" if name == "postgresql" else "mysql"].format(t=store.table.name)
+    cutoff = (datetime.now(UTC) - timedelta(seconds=older_than_s)).replace(tzinfo=None)
+    raw = store.engine.raw_connection()
+    total = 0
+    try:
+        while True:
+            cursor = raw.cursor()
+            cursor.execute(sql, {"cutoff": cutoff, "limit": batch})
+            deleted = cursor.rowcount
+            cursor.close()
+            raw.commit()
+            total += deleted
+            if deleted < batch:
+                return total
+    finally:
+        raw.close()
+
+
+def purge_vs_bare(big: idemq.SqlStore, args: argparse.Namespace) -> None:
+    """The next band of expired rows (ages ``purge_older_than_s - band`` to
+    ``purge_older_than_s``) in ten slices, oldest first, idemq's purge and the bare loop taking
+    turns: the same statement and batch size, so the ratio is idemq's own overhead."""
+    band = args.purge_older_than_s // 10
+    step = band / 10
+    rows = {"idemq": 0, "bare": 0}
+    seconds = {"idemq": 0.0, "bare": 0.0}
+    for i in range(10):
+        older_than_s = args.purge_older_than_s - (i + 1) * step
+        who = "idemq" if i % 2 == 0 else "bare"
+        started = time.perf_counter()
+        if who == "idemq":
+            n = big.purge(timedelta(seconds=older_than_s), batch_size=10_000)
+        else:
+            n = bare_purge(big, older_than_s, 10_000)
+        seconds[who] += time.perf_counter() - started
+        rows[who] += n
+    rate = {k: rows[k] / max(seconds[k], 1e-9) for k in rows}
+    db = big.engine.dialect.name
+    print(
+        f"  {db:8} purge, interleaved slices: idemq {rows['idemq']:,} rows at"
+        f" {rate['idemq']:,.0f} rows/s, bare driver {rows['bare']:,} rows at"
+        f" {rate['bare']:,.0f} rows/s ({rate['idemq'] / max(rate['bare'], 1e-9):.2f}x)"
+    )
 
 
 def main() -> None:

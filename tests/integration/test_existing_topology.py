@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from idemq.brokers.base import DEAD_LETTER_REASON_HEADER
-from tests.conftest import require_service, unique
+from tests.conftest import REDIS_URL, require_service, unique
 
 IDEMQ = str(Path(sys.executable).with_name("idemq"))
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
@@ -258,3 +258,149 @@ def test_nats_stream_made_by_the_application_is_used_not_updated(tmp_path: Path)
             worker.kill()
         asyncio.run(teardown())
         engine.dispose()
+
+
+def _worker_exit(tmp_path: Path, broker: str, queue: str, *extra: str) -> tuple[int, str]:
+    """A worker that must stop on its own (a configuration error): its code and log."""
+    _effects_engine(tmp_path).dispose()
+    worker = _start_worker(tmp_path, broker, queue, *extra)
+    try:
+        code = worker.wait(60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    return code, (tmp_path / "worker.log").read_text()
+
+
+@pytest.mark.kafka
+def test_kafka_topic_made_by_the_application_is_used_as_it_is(tmp_path: Path) -> None:
+    """Three partitions made by the application's admin; the worker consumes all of them and
+    dead-letters to the topic it is told, creating no topic of its own."""
+    from confluent_kafka import Producer  # noqa: PLC0415
+    from confluent_kafka.admin import AdminClient, NewTopic  # noqa: PLC0415
+
+    from tests.integration.brokers.test_kafka import run_tansu  # noqa: PLC0415
+
+    topic, dead = unique("orders"), unique("poison_box")
+    with run_tansu() as bootstrap:
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        for future in admin.create_topics([NewTopic(topic, 3, 1), NewTopic(dead, 1, 1)]).values():
+            future.result(30)
+        producer = Producer({"bootstrap.servers": bootstrap})
+        for i in range(30):
+            headers = [("idemq-message-id", f"K{i}".encode())]
+            producer.produce(topic, b"{}", partition=i % 3, headers=headers)
+        producer.produce(topic, b"poison", headers=[("idemq-message-id", b"POISON")])
+        producer.flush(30)
+        url = f"kafka://{bootstrap}?session_timeout_ms=2000"
+        engine = _effects_engine(tmp_path)
+        log = tmp_path / "worker.log"
+        worker = _start_worker(
+            tmp_path, url, topic, "--declare", "never", "--dead-letter", dead, "--max-attempts", "1"
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and len(_effects(engine)) < 30:
+                assert worker.poll() is None, log.read_text()
+                time.sleep(0.2)
+            time.sleep(2.0)  # the poison's dead letter follows its failed run
+            _stop(worker, log)
+            assert _effects(engine) == Counter({f"K{i}": 1 for i in range(30)})
+            topics = admin.list_topics(timeout=30).topics
+            assert len(topics[topic].partitions) == 3, "the application's topic, unchanged"
+            assert f"{topic}.dlq" not in topics, "no topic of idemq's"
+            watermarks = _high_watermark(bootstrap, dead)
+            assert watermarks >= 1, "the poison message went to the named dead-letter topic"
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+            engine.dispose()
+
+
+def _high_watermark(bootstrap: str, topic: str) -> int:
+    from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": unique("peek")})
+    try:
+        _, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
+        return int(high)
+    finally:
+        consumer.close()
+
+
+@pytest.mark.kafka
+def test_kafka_declare_never_refuses_a_missing_topic_at_once(tmp_path: Path) -> None:
+    from tests.integration.brokers.test_kafka import run_tansu  # noqa: PLC0415
+
+    topic = unique("missing")
+    with run_tansu() as bootstrap:
+        code, text = _worker_exit(
+            tmp_path, f"kafka://{bootstrap}?session_timeout_ms=2000", topic, "--declare", "never"
+        )
+    assert code == 2, text
+    assert topic in text
+    assert "declare=never" in text
+    assert "Traceback" not in text
+
+
+@pytest.mark.redis
+def test_redis_stream_and_group_made_by_the_application_are_used_as_they_are(
+    tmp_path: Path,
+) -> None:
+    """The application made the stream and a group of its own name that starts at the stream's
+    end ("$"): the worker joins that group, so it sees only what comes after, as the
+    application decided; nothing of idemq's is created."""
+    import redis  # noqa: PLC0415
+
+    require_service("redis")
+    client = redis.Redis.from_url(REDIS_URL)
+    stream, group = unique("orders"), unique("billing")
+    # Entries in idemq's layout (body, headers as JSON, id), as any producer of the stream.
+    client.xadd(stream, {"body": b"{}", "id": b"BEFORE"})
+    client.xgroup_create(stream, group, id="$")
+    for i in range(20):
+        client.xadd(stream, {"body": b"{}", "headers": b"{}", "id": f"R{i}".encode()})
+    engine = _effects_engine(tmp_path)
+    log = tmp_path / "worker.log"
+    url = f"{REDIS_URL}?group={group}"
+    worker = _start_worker(tmp_path, url, stream, "--declare", "never")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_effects(engine)) < 20:
+            assert worker.poll() is None, log.read_text()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        _stop(worker, log)
+        assert _effects(engine) == Counter({f"R{i}": 1 for i in range(20)})
+        groups = {g["name"].decode() for g in client.xinfo_groups(stream)}
+        assert groups == {group}, "no group of idemq's"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        client.delete(stream, f"{stream}.dlq")
+        client.close()
+        engine.dispose()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("what", ["stream", "group"])
+def test_redis_declare_never_refuses_a_missing_stream_or_group_at_once(
+    tmp_path: Path, what: str
+) -> None:
+    import redis  # noqa: PLC0415
+
+    require_service("redis")
+    client = redis.Redis.from_url(REDIS_URL)
+    stream = unique("orders")
+    if what == "group":
+        client.xadd(stream, {"body": b"{}"})  # the stream, without idemq's group
+    try:
+        code, text = _worker_exit(tmp_path, REDIS_URL, stream, "--declare", "never")
+        assert code == 2, text
+        assert stream in text
+        assert ("no consumer group" in text) is (what == "group")
+        assert "Traceback" not in text
+        assert client.exists(stream) == (1 if what == "group" else 0), "nothing created"
+    finally:
+        client.delete(stream)
+        client.close()

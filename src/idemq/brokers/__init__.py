@@ -30,7 +30,7 @@ SCHEMES: dict[str, tuple[str, str, str]] = {
 }
 
 
-_WITH_TOPOLOGY_OPTIONS = ("amqp", "amqps", "nats")
+_WITH_TOPOLOGY_OPTIONS = ("amqp", "amqps", "nats", "kafka", "redis", "rediss")
 
 
 def open_broker(url: str, *, declare: str | None = None, dead_letter: str | None = None) -> Broker:
@@ -38,9 +38,9 @@ def open_broker(url: str, *, declare: str | None = None, dead_letter: str | None
     ``mqtt``, ``embedded``).
 
     ``declare`` (``auto``: adopt what exists, create what is missing; ``never``: create nothing)
-    and ``dead_letter`` (the dead-letter queue or subject) are the URL's ``?declare=…`` and
-    ``?dead_letter=…`` (RabbitMQ and NATS; Kafka topics and Redis streams that exist are always
-    used as they are, and MQTT has nothing to declare).
+    and ``dead_letter`` (the dead-letter queue, subject, topic or stream) are the URL's
+    ``?declare=…`` and ``?dead_letter=…`` (RabbitMQ, NATS, Kafka and Redis Streams; MQTT has
+    nothing to declare: its session is the subscription).
     """
     scheme = urlsplit(url).scheme.lower()
     if scheme not in SCHEMES:
@@ -52,7 +52,8 @@ def open_broker(url: str, *, declare: str | None = None, dead_letter: str | None
     if any(value is not None for value in options.values()):
         if scheme not in _WITH_TOPOLOGY_OPTIONS:
             raise ConfigurationError(
-                f"declare/dead_letter are options of RabbitMQ and NATS, not of {scheme!r}"
+                "declare/dead_letter are options of RabbitMQ, NATS, Kafka and Redis Streams,"
+                f" not of {scheme!r}"
             )
         url = with_query(url, {k: v for k, v in options.items() if v is not None})
     module_name, class_name, extra = SCHEMES[scheme]

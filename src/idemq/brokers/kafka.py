@@ -40,6 +40,7 @@ from confluent_kafka.admin import AdminClient
 from idemq.brokers.base import (
     Delivery,
     Received,
+    check_declare_mode,
     dead_letter_headers,
     header_text,
     outgoing_headers,
@@ -103,6 +104,8 @@ class KafkaBroker:
         max_poll_interval_ms: int | None = None,
         client_id: str | None = None,
         clock_ms: Callable[[], int] = _now_ms,
+        declare: str = "auto",
+        dead_letter: str | None = None,
     ) -> None:
         # librdkafka refuses a poll interval below the session timeout; its default is 5 min.
         poll_ms = max_poll_interval_ms or max(300_000, session_timeout_ms)
@@ -113,6 +116,8 @@ class KafkaBroker:
             )
         self.bootstrap = bootstrap
         self.group = group
+        self.declare_mode = check_declare_mode(declare)
+        self.dead_letter = dead_letter
         self.timeout_s = timeout_s
         self.session_timeout_ms = session_timeout_ms
         self.max_poll_interval_ms = poll_ms
@@ -133,8 +138,8 @@ class KafkaBroker:
         """``kafka://host:port[,host:port]?group=NAME&session_timeout_ms=10000``.
 
         Optional: ``max_poll_interval_ms`` (default 300000, never below the session timeout),
-        ``timeout_ms`` (how long a publish waits for its delivery report, default 10000) and
-        ``client_id``.
+        ``timeout_ms`` (how long a publish waits for its delivery report, default 10000),
+        ``client_id``, ``declare=auto|never`` and ``dead_letter=TOPIC`` (see :meth:`declare`).
         """
         parts = urlsplit(url)
         query = {key: values[0] for key, values in parse_qs(parts.query).items()}
@@ -148,18 +153,33 @@ class KafkaBroker:
             session_timeout_ms=_int_param(query, "session_timeout_ms", url) or 10_000,
             max_poll_interval_ms=poll_ms,
             client_id=query.get("client_id"),
+            declare=query.get("declare", "auto"),
+            dead_letter=query.get("dead_letter"),
         )
 
     def dead_letter_queue(self, queue: str) -> str:
-        """The topic ``<topic>.dlq``."""
-        return f"{queue}.dlq"
+        """The topic ``dead_letter`` if given, else ``<topic>.dlq``."""
+        return self.dead_letter or f"{queue}.dlq"
 
     def declare(self, queue: str) -> None:
-        """Create the topic and its dead-letter topic (one partition each) if missing."""
+        """Adopt the topic and its dead-letter topic as they are, creating (one partition each)
+        only what is missing; with ``declare=never`` a missing one is a
+        :class:`~idemq.ConfigurationError` naming it. An existing topic is never changed."""
         admin = AdminClient(dict(self._client))
-        futures = admin.create_topics(
-            [NewTopic(name, 1, 1) for name in (queue, self.dead_letter_queue(queue))]
-        )
+        names = [queue, self.dead_letter_queue(queue)]
+        try:
+            existing = admin.list_topics(timeout=self.timeout_s).topics
+        except confluent_kafka.KafkaException as exc:
+            raise BrokerUnavailableError(f"Kafka: cannot read the topics: {exc}") from exc
+        missing = [name for name in names if name not in existing]
+        if missing and self.declare_mode == "never":
+            raise ConfigurationError(
+                f"Kafka topic {', '.join(map(repr, missing))} does not exist"
+                " (declare=never: idemq creates nothing)"
+            )
+        if not missing:
+            return
+        futures = admin.create_topics([NewTopic(name, 1, 1) for name in missing])
         for future in futures.values():
             try:
                 future.result(self.timeout_s)
@@ -189,7 +209,9 @@ class KafkaBroker:
         self._produce(queue, body, all_headers, key=message_id)
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
-        """Poll ``queue``; copies scheduled for later are held until due."""
+        """Poll ``queue`` (adopted or created first: :meth:`declare`); copies scheduled for later
+        are held until due."""
+        self.declare(queue)
         # A consumer left by an earlier stream (the worker reconnects after a broker error)
         # would stay in the group, be assigned partitions and never poll them: close it.
         self._close_consumer()

@@ -43,6 +43,7 @@ from idemq.brokers.base import (
     BROKER_MESSAGE_ID,
     Delivery,
     Received,
+    check_declare_mode,
     dead_letter_headers,
     header_text,
 )
@@ -78,9 +79,13 @@ class RedisStreamsBroker:
         group: str = "idemq",
         claim_idle_ms: int = 30_000,
         block_ms: int = 200,
+        declare: str = "auto",
+        dead_letter: str | None = None,
     ) -> None:
         self.client = client
         self.group = group
+        self.declare_mode = check_declare_mode(declare)
+        self.dead_letter = dead_letter
         self.claim_idle_ms = claim_idle_ms
         self.block_ms = block_ms
         self._held: list[tuple[str, list[bytes], Future[None]]] = []  # acks not sent yet
@@ -90,7 +95,8 @@ class RedisStreamsBroker:
     @classmethod
     def from_url(cls, url: str) -> RedisStreamsBroker:
         """``redis://host:port/db?group=idemq&claim_idle_ms=30000`` (``&cluster=true``: a Redis
-        Cluster reached through that node)."""
+        Cluster reached through that node; ``declare=auto|never`` and ``dead_letter=STREAM``:
+        see :meth:`declare`)."""
         parts = urlsplit(url)
         query = parse_qs(parts.query)
         try:
@@ -100,16 +106,31 @@ class RedisStreamsBroker:
                 f"claim_idle_ms must be an integer in {mask_url(url)}"
             ) from exc
         group = query.pop("group", ["idemq"])[0]
+        declare = query.pop("declare", ["auto"])[0]
+        dead_letter = query.pop("dead_letter", [None])[0]
         rest = "&".join(f"{key}={values[0]}" for key, values in query.items())
         client = redis_client(urlunsplit(parts._replace(query=rest)), redis.Redis)
-        return cls(client, group=group, claim_idle_ms=claim_idle_ms)
+        return cls(
+            client,
+            group=group,
+            claim_idle_ms=claim_idle_ms,
+            declare=declare,
+            dead_letter=dead_letter,
+        )
 
     def dead_letter_queue(self, queue: str) -> str:
-        """The stream ``<queue>.dlq``."""
-        return f"{queue}.dlq"
+        """The stream ``dead_letter`` if given, else ``<queue>.dlq``."""
+        return self.dead_letter or f"{queue}.dlq"
 
     def declare(self, queue: str) -> None:
-        """Create the stream and its group (reading from the start: nothing published is missed)."""
+        """Adopt the stream and the consumer group as they are, creating only what is missing
+        (a new group reads from the start: nothing published is missed). With
+        ``declare=never`` nothing is created: the stream and its group must exist, else a
+        :class:`~idemq.ConfigurationError` names what is missing (the dead-letter stream is
+        made by its first ``XADD``, as any stream)."""
+        if self.declare_mode == "never":
+            self._require_group(queue)
+            return
         for stream in (queue, self.dead_letter_queue(queue)):
             try:
                 self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
@@ -118,6 +139,22 @@ class RedisStreamsBroker:
                     raise BrokerUnavailableError(f"Redis: cannot create group: {exc}") from exc
             except _DRIVER_ERRORS as exc:
                 raise BrokerUnavailableError(f"Redis: {exc}") from exc
+
+    def _require_group(self, queue: str) -> None:
+        try:
+            groups = self.client.xinfo_groups(queue)
+        except redis.exceptions.ResponseError as exc:  # no such key
+            raise ConfigurationError(
+                f"Redis stream {queue!r} does not exist (declare=never: idemq creates nothing)"
+            ) from exc
+        except _DRIVER_ERRORS as exc:
+            raise BrokerUnavailableError(f"Redis: {exc}") from exc
+        names = {header_text(group["name"])[0] for group in groups}
+        if self.group not in names:
+            raise ConfigurationError(
+                f"Redis stream {queue!r} has no consumer group {self.group!r}"
+                " (declare=never: idemq creates nothing; ?group=NAME names an existing one)"
+            )
 
     def delete_queue(self, queue: str) -> None:
         """Delete the stream and its dead-letter stream."""

@@ -262,10 +262,12 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         "--declare",
         choices=("auto", "never"),
         help="auto (default): use the queue/stream as it exists, create only what is missing;"
-        " never: create nothing (RabbitMQ, NATS)",
+        " never: create nothing (RabbitMQ, NATS, Kafka, Redis Streams)",
     )
     worker.add_argument(
-        "--dead-letter", metavar="NAME", help="dead-letter queue/subject (default <queue>.dlq)"
+        "--dead-letter",
+        metavar="NAME",
+        help="dead-letter queue/subject/topic/stream (default <queue>.dlq)",
     )
     worker.add_argument(
         "--give-up-after",
