@@ -8,6 +8,7 @@ interleaved in rounds of ``--chunk`` messages per table:
 
 * first deliveries and duplicates of old ids (random over the table) through the guard in
   transactional mode, p50/p99 per table size; the target is p99 at ``--rows`` <= 1.3x at 0;
+  beside them, the same first row inserted and committed on the bare driver (the bound);
 * four threads of first deliveries on the big table, p99 without and while ``purge`` deletes the
   rows older than ``--purge-older-than-s`` (target <= 2x), and the purge's rows/s (≥ 50,000);
 * then the next tenth of the table's age, in ten slices, ``purge`` and the same statement on the
@@ -88,6 +89,38 @@ def claims(guard: idemq.Idempotency, rows: int, chunk: int) -> tuple[list[float]
     return first, dups
 
 
+# The bound of a first delivery: one row inserted and committed on the bare driver, into the
+# same table (its primary key and indexes), without idemq.
+BARE_INSERT = {
+    "postgresql": (
+        "INSERT INTO {t} (consumer, message_id, status, result, processed_time, created_time,"
+        " attempts) VALUES (%(c)s, %(m)s, 1, '1', now(), now(), 1) ON CONFLICT DO NOTHING"
+    ),
+    "mysql": (
+        "INSERT IGNORE INTO {t} (consumer, message_id, status, result, processed_time,"
+        " created_time, attempts) VALUES (%(c)s, %(m)s, 1, '1', UTC_TIMESTAMP(6), NOW(), 1)"
+    ),
+}
+
+
+def bare_firsts(store: idemq.SqlStore, consumer: str, chunk: int) -> list[float]:
+    name = store.engine.dialect.name
+    sql = BARE_INSERT["postgresql" if name == "postgresql" else "mysql"].format(t=store.table.name)
+    raw = store.engine.raw_connection()
+    out = []
+    try:
+        for _ in range(chunk):
+            started = time.perf_counter()
+            cursor = raw.cursor()
+            cursor.execute(sql, {"c": consumer, "m": f"BARE_{uuid.uuid4().hex}"})
+            cursor.close()
+            raw.commit()
+            out.append(time.perf_counter() - started)
+    finally:
+        raw.close()
+    return out
+
+
 def threads_p99(store: idemq.SqlStore, seconds: float) -> list[float]:
     """Four threads of first deliveries for ``seconds``; every latency."""
     out: list[float] = []
@@ -123,6 +156,7 @@ def run(db: str, args: argparse.Namespace) -> None:
         stores[name] = store
     first: dict[str, list[float]] = {n: [] for n in sizes}
     dups: dict[str, list[float]] = {n: [] for n in sizes}
+    bare: dict[str, list[float]] = {n: [] for n in sizes}
     for rnd in range(args.rounds):
         order = list(sizes) if rnd % 2 == 0 else list(sizes)[::-1]
         for name in order:
@@ -130,13 +164,18 @@ def run(db: str, args: argparse.Namespace) -> None:
             f, d = claims(guard, sizes[name], args.chunk)
             first[name] += f
             dups[name] += d
+            bare[name] += bare_firsts(stores[name], f"c{rnd % CONSUMERS}", args.chunk)
     for name, rows in sizes.items():
         line = f"  {db:8} {rows:>11,} rows: first p50 {pct(first[name], 0.5):6.2f} ms"
         line += f" p99 {pct(first[name], 0.99):6.2f} ms"
         if dups[name]:
             line += f" | duplicate p50 {pct(dups[name], 0.5):6.2f} ms"
             line += f" p99 {pct(dups[name], 0.99):6.2f} ms"
+        line += f" | bare insert p50 {pct(bare[name], 0.5):6.2f} ms"
+        line += f" p99 {pct(bare[name], 0.99):6.2f} ms"
         print(line)
+    ratio = pct(bare["n"], 0.99) / pct(bare["0"], 0.99)
+    print(f"  {db:8} bare insert p99 at {args.rows:,} / at 0 rows: {ratio:.2f}x (the bound)")
     for what, samples in (("first", first), ("duplicate", dups)):
         if samples["n"] and samples["0" if what == "first" else "m"]:
             base = "0" if what == "first" else "m"
@@ -149,7 +188,7 @@ def run(db: str, args: argparse.Namespace) -> None:
 
     def purge() -> None:
         started = time.perf_counter()
-        n = big.purge(timedelta(seconds=args.purge_older_than_s), batch_size=10_000)
+        n = big.purge(timedelta(seconds=args.purge_older_than_s), batch_size=args.purge_batch)
         purged.append((n, time.perf_counter() - started))
 
     purger = threading.Thread(target=purge)
@@ -216,9 +255,9 @@ def purge_vs_bare(big: idemq.SqlStore, args: argparse.Namespace) -> None:
         who = "idemq" if i % 2 == 0 else "bare"
         started = time.perf_counter()
         if who == "idemq":
-            n = big.purge(timedelta(seconds=older_than_s), batch_size=10_000)
+            n = big.purge(timedelta(seconds=older_than_s), batch_size=args.purge_batch)
         else:
-            n = bare_purge(big, older_than_s, 10_000)
+            n = bare_purge(big, older_than_s, args.purge_batch)
         seconds[who] += time.perf_counter() - started
         rows[who] += n
     rate = {k: rows[k] / max(seconds[k], 1e-9) for k in rows}
@@ -240,6 +279,7 @@ def main() -> None:
     parser.add_argument("--spread-s", type=int, default=100_000)
     parser.add_argument("--purge-older-than-s", type=int, default=90_000)
     parser.add_argument("--purge-window-s", type=float, default=10.0)
+    parser.add_argument("--purge-batch", type=int, default=1000, help="rows per purge transaction")
     parser.add_argument("--refill", action="store_true")
     args = parser.parse_args()
     import os  # noqa: PLC0415
