@@ -95,6 +95,19 @@ def _stop(worker: subprocess.Popen[bytes], log: Path) -> None:
     assert time.monotonic() - started < 10, "SIGTERM took more than 10 s"
 
 
+def _run_until_applied(
+    worker: subprocess.Popen[bytes], engine: sa.Engine, log: Path, count: int, *, timeout_s: float
+) -> None:
+    """Wait until ``count`` effects are in, the worker alive throughout; then a moment for late
+    copies and dead letters, and SIGTERM."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(_effects(engine)) < count:
+        assert worker.poll() is None, log.read_text()
+        time.sleep(0.2)
+    time.sleep(2.0)
+    _stop(worker, log)
+
+
 @pytest.mark.rabbitmq
 def test_rabbitmq_classic_queue_declared_by_the_application(tmp_path: Path) -> None:
     """A classic durable queue without dead-letter arguments, declared by pika: 300 ids each
@@ -245,12 +258,7 @@ def test_nats_stream_made_by_the_application_is_used_not_updated(tmp_path: Path)
     log = tmp_path / "worker.log"
     worker = _start_worker(tmp_path, NATS, subject, "--declare", "never")
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(_effects(engine)) < 50:
-            assert worker.poll() is None, log.read_text()
-            time.sleep(0.2)
-        time.sleep(1.0)
-        _stop(worker, log)
+        _run_until_applied(worker, engine, log, 50, timeout_s=60)
         assert _effects(engine) == Counter({f"N{i}": 1 for i in range(50)})
         assert asyncio.run(streams()) == {stream: 100_000}, "no stream of idemq's, none changed"
     finally:
@@ -299,12 +307,7 @@ def test_kafka_topic_made_by_the_application_is_used_as_it_is(tmp_path: Path) ->
             tmp_path, url, topic, "--declare", "never", "--dead-letter", dead, "--max-attempts", "1"
         )
         try:
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and len(_effects(engine)) < 30:
-                assert worker.poll() is None, log.read_text()
-                time.sleep(0.2)
-            time.sleep(2.0)  # the poison's dead letter follows its failed run
-            _stop(worker, log)
+            _run_until_applied(worker, engine, log, 30, timeout_s=90)
             assert _effects(engine) == Counter({f"K{i}": 1 for i in range(30)})
             topics = admin.list_topics(timeout=30).topics
             assert len(topics[topic].partitions) == 3, "the application's topic, unchanged"
@@ -365,12 +368,7 @@ def test_redis_stream_and_group_made_by_the_application_are_used_as_they_are(
     url = f"{REDIS_URL}?group={group}"
     worker = _start_worker(tmp_path, url, stream, "--declare", "never")
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(_effects(engine)) < 20:
-            assert worker.poll() is None, log.read_text()
-            time.sleep(0.2)
-        time.sleep(1.0)
-        _stop(worker, log)
+        _run_until_applied(worker, engine, log, 20, timeout_s=60)
         assert _effects(engine) == Counter({f"R{i}": 1 for i in range(20)})
         groups = {g["name"].decode() for g in client.xinfo_groups(stream)}
         assert groups == {group}, "no group of idemq's"

@@ -4,7 +4,9 @@ Kafka has offsets, not per-message acks, so settlement is built on top:
 
 * **Commit only after settlement, only contiguously.** A partition's offset is committed up to
   the first delivery not yet settled; a consumer that dies re-reads everything after it (the
-  guard turns what was already done into DUPLICATEs). Commits run on the consuming thread.
+  guard turns what was already done into DUPLICATEs). Commits run on the consuming thread,
+  without waiting for the broker's answer (a later commit covers a failed one), except the last
+  one before the consumer leaves the group.
 * **Retry** = re-publish a copy to the same topic with ``idemq-not-before-ms`` = now + delay and
   ``idemq-delivery-attempt`` (+ 1 after a failed handler run only: a store outage or a busy
   lease keeps the number, so it never dead-letters), then count the original as settled. The
@@ -85,6 +87,13 @@ class _Offsets:
             ready = [confluent_kafka.TopicPartition(t, p, o) for (t, p), o in self._settled.items()]
             self._settled.clear()
         return ready
+
+
+def _log_failed_commit(error: Any, offsets: list[confluent_kafka.TopicPartition]) -> None:
+    """librdkafka's report of an offset commit (``on_commit``; called from ``poll``): a failed
+    one is logged, as :meth:`KafkaBroker._commit` logs one it waited for."""
+    if error is not None:
+        log.warning("Kafka: commit of %s failed: %s", offsets, error)
 
 
 class KafkaBroker:
@@ -224,6 +233,7 @@ class KafkaBroker:
                 "session.timeout.ms": self.session_timeout_ms,
                 "heartbeat.interval.ms": max(self.session_timeout_ms // 4, 100),
                 "max.poll.interval.ms": self.max_poll_interval_ms,
+                "on_commit": _log_failed_commit,
             }
         )
         self._consumer = consumer
@@ -239,7 +249,7 @@ class KafkaBroker:
         consumer.subscribe([queue])
         held: list[tuple[int, int, KafkaDelivery]] = []  # (due_ms, tiebreak, delivery)
         while True:
-            self._commit(consumer)
+            self._commit(consumer, wait=False)
             if held and held[0][0] <= self._clock_ms():
                 yield heapq.heappop(held)[2]
                 continue
@@ -273,7 +283,7 @@ class KafkaBroker:
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             try:
-                self._commit(consumer)
+                self._commit(consumer, wait=True)
             finally:
                 consumer.close()
 
@@ -301,12 +311,19 @@ class KafkaBroker:
             self._producer.purge()
             self._producer = self._new_producer()
 
-    def _commit(self, consumer: confluent_kafka.Consumer) -> None:
+    def _commit(self, consumer: confluent_kafka.Consumer, *, wait: bool) -> None:
+        """Commit what was settled since the last commit. While consuming, without waiting for
+        the broker's answer (``wait=False``): offsets only ever grow and each commit covers the
+        earlier ones, so one that fails is made good by the next, and one lost to a crash costs
+        only redeliveries that the guard absorbs. Before leaving the group, waiting."""
         offsets = self._offsets.take()
         if not offsets:
             return
         try:
-            consumer.commit(offsets=offsets, asynchronous=False)
+            if wait:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            else:
+                consumer.commit(offsets=offsets, asynchronous=True)
         except confluent_kafka.KafkaException as exc:
             # Not fatal, and no reason to drop the consumer: a member evicted for a slow
             # handler (or caught in a rebalance) cannot commit until it rejoins. Uncommitted
