@@ -148,13 +148,15 @@ class Record:
     def lease_expired(self, now_ms: int) -> bool:
         return self.lease_until_ms is not None and self.lease_until_ms <= now_ms
 
-    def completed_before(self, cutoff_ms: int) -> bool:
-        """Whether this is a PROCESSED record completed before ``cutoff_ms`` (epoch ms): on a
-        store with ``expires_after_s``, one that counts as absent, so its message runs again."""
+    def expired(self, now_ms: int, expires_after_ms: int | None) -> bool:
+        """Whether this is a PROCESSED record completed more than ``expires_after_ms`` before
+        ``now_ms`` (None: records never expire): on a store with ``expires_after_s``, one that
+        counts as absent, so its message runs again."""
         return (
-            self.status is RecordStatus.PROCESSED
+            expires_after_ms is not None
+            and self.status is RecordStatus.PROCESSED
             and self.processed_time is not None
-            and self.processed_time < UTC_EPOCH + MILLISECOND * cutoff_ms
+            and self.processed_time < UTC_EPOCH + MILLISECOND * (now_ms - expires_after_ms)
         )
 
 

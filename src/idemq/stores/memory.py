@@ -52,13 +52,9 @@ class MemoryStore:
         with self._lock:
             return self._claim(request)
 
-    def _expired(self, record: Record, now_ms: int) -> bool:
-        expires_after_ms = self.expires_after_ms
-        return expires_after_ms is not None and record.completed_before(now_ms - expires_after_ms)
-
     def _claim(self, request: ClaimRequest) -> Claim:
         current = self._records.get(request.key)
-        if current is None or self._expired(current, request.now_ms):
+        if current is None or current.expired(request.now_ms, self.expires_after_ms):
             self._records[request.key] = Record(
                 consumer=request.key.consumer,
                 message_id=request.key.message_id,

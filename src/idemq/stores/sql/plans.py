@@ -410,23 +410,16 @@ class SqlPlans(ABC):
         made again. The window is judged on the request's clock against the stored processed
         time; the delete checks it again on the row, so of two duplicates that meet the same
         expired record one deletes it and claims, the other finds the fresh claim."""
+        expires_after_ms = self.expires_after_ms
         for _ in range(CLAIM_TRIES):
             claim = yield from self.claim(request, transactional)
-            if claim.record is None or not self._completed_before_expiry(claim.record, request):
+            if expires_after_ms is None or claim.record is None:
                 return claim
-            cutoff = EPOCH + MILLISECOND * self._expiry_cutoff_ms(request)
+            if not claim.record.expired(request.now_ms, expires_after_ms):
+                return claim
+            cutoff = EPOCH + MILLISECOND * (request.now_ms - expires_after_ms)
             yield Step(self.expire_stmt, {**key_params(request.key), "b_cutoff": cutoff})
         raise StoreConflictError("an expired record kept coming back while being claimed")
-
-    def _completed_before_expiry(self, record: Record, request: ClaimRequest) -> bool:
-        """Whether ``record`` counts as absent for ``request`` (see :meth:`claim_unexpired`)."""
-        return self.expires_after_ms is not None and record.completed_before(
-            self._expiry_cutoff_ms(request)
-        )
-
-    def _expiry_cutoff_ms(self, request: ClaimRequest) -> int:
-        """Records completed before this (epoch ms) count as absent, when records expire."""
-        return request.now_ms - (self.expires_after_ms or 0)
 
     def claim_many(
         self, requests: Sequence[ClaimRequest], transactional: bool
@@ -458,7 +451,7 @@ class SqlPlans(ABC):
             elif (
                 record is None
                 or (not transactional and self._maybe_expired(record, request))
-                or self._completed_before_expiry(record, request)
+                or record.expired(request.now_ms, self.expires_after_ms)
             ):
                 claims.append((yield from self.claim_unexpired(request, transactional)))
             else:
