@@ -8,6 +8,8 @@ Every public name is importable from here; the subpackages (``idemq.guard``, ``i
 ``idemq.brokers`` …) hold the code, one job per package.
 """
 
+from importlib import metadata as _metadata
+
 from idemq.business import (
     StateMachine,
     Transition,
@@ -46,7 +48,8 @@ from idemq.stores.memory import MemoryStore
 from idemq.stores.redis import AsyncRedisStore, RedisStore
 from idemq.stores.sql import AsyncSqlStore, SqlStore
 
-__version__ = "0.1.0"
+# The version is written once, in pyproject.toml; the installed distribution's metadata carries it.
+__version__ = _metadata.version("idemq")
 
 __all__ = [
     "AsyncIdempotency",
