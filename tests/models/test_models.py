@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CI
+from tests.models.citations import ROOT, citations, missing, model_header
 
 pytestmark = pytest.mark.models
 
@@ -58,7 +59,6 @@ class Check:
         return f"{self.model}: {self.label}"
 
 
-HOLDS = "holds"
 CHECKS = [
     Check("lease", "store clock, safety"),
     Check("lease", "store clock, liveness", liveness=True),
@@ -164,6 +164,21 @@ class Search:
         return int(found.group(1))
 
     @property
+    def incomplete(self) -> list[str]:
+        return [marker for marker in INCOMPLETE if marker in self.output]
+
+    @property
+    def verdict(self) -> str:
+        """What pan found — not what the check expects: a failed check must read as failed."""
+        if self.errors:
+            found = re.search(r"pan:\d+: (.*?)(?: \(at depth \d+\))?$", self.output, flags=re.M)
+            what = found.group(1) if found else "an error"
+            return "violated: " + what.removeprefix("assertion violated ")
+        if self.incomplete or "Full statespace search" not in self.output:
+            return "incomplete"
+        return "held"
+
+    @property
     def summary(self) -> str:
         states = self._number(r"([\d.e+]+) states, stored")
         transitions = self._number(r"([\d.e+]+) transitions")
@@ -227,17 +242,12 @@ def test_model(
 ) -> None:
     found, defines = search(check, tools, tmp_path)
     record_property("pan", found.output)
-    if check.violation is None:
-        verdict = HOLDS
-    else:
-        verdict = "caught: " + check.violation.removeprefix("assertion violated ")
-    report_run(f"{check.model:<6} {check.label:<55} {found.summary}  {verdict}")
+    report_run(f"{check.model:<10} {check.label:<60} {found.summary}  {found.verdict}")
 
     assert "Full statespace search" in found.output, found.output
     if check.violation is None:
         assert found.errors == 0, f"SPIN found a violation:\n{found.output}"
-        incomplete = [marker for marker in INCOMPLETE if marker in found.output]
-        assert not incomplete, f"the search did not finish ({incomplete}):\n{found.output}"
+        assert not found.incomplete, f"the search did not finish ({found.incomplete}):\n{found.output}"
         return
     assert found.errors >= 1, f"SPIN did not catch {check.label!r}: a vacuous model?"
     assert check.violation in found.output, found.output
@@ -246,18 +256,78 @@ def test_model(
     assert "Error:" in trail or "CYCLE" in trail, trail
 
 
+# A preprocessor condition, and the names it tests for being defined.
+CONDITION = re.compile(r"^[ \t]*#[ \t]*(ifdef|ifndef|if|elif)\b(.*)$", flags=re.M)
+DEFINED = re.compile(r"\bdefined\s*(?:\(\s*(\w+)\s*\)|(\w+))")
+
+
+def switches(text: str) -> set[str]:
+    """Every name a model tests with ``#ifdef``/``#ifndef``, or with ``defined`` in an ``#if`` or
+    ``#elif`` (``defined(X)``, ``defined X``, combined with ``!``, ``&&``, ``||``), less the bounds
+    it defines itself (with a default) and LIVENESS (how every liveness check runs)."""
+    offered: set[str] = set()
+    for kind, rest in CONDITION.findall(text):
+        if kind in {"ifdef", "ifndef"}:
+            offered.update(re.findall(r"^\s*(\w+)", rest))
+        else:
+            offered.update(a or b for a, b in DEFINED.findall(rest))
+    defined = set(re.findall(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", text, flags=re.M))
+    return offered - defined - {"LIVENESS"}
+
+
+def test_switches_are_found_however_they_are_written() -> None:
+    text = """
+#ifdef A
+#ifndef B
+#if defined(C) || !defined D
+# elif defined( E ) && !defined(F)
+#if N > 2
+#ifndef BOUND
+#define BOUND 3
+#endif
+#ifdef LIVENESS
+"""
+    assert switches(text) == {"A", "B", "C", "D", "E", "F"}
+
+
 def test_every_switch_a_model_offers_is_checked() -> None:
     """A mutant or current-code switch added to a model is run, so it cannot rot unchecked.
 
-    A switch is a name the model tests with #ifdef/#ifndef but never defines itself (the
-    bounds it does define, with a default); LIVENESS is how every liveness check runs."""
+    A switch is a name the model tests for being defined but never defines itself (the bounds
+    it does define, with a default); LIVENESS is how every liveness check runs."""
     checked = {(c.model, name.split("=")[0]) for c in CHECKS for name in c.defines}
     for path in sorted(MODELS.glob("*.pml")):
         text = path.read_text()
-        defined = set(re.findall(r"^#define (\w+)", text, flags=re.M))
-        offered = set(re.findall(r"^#ifn?def (\w+)", text, flags=re.M)) - defined - {"LIVENESS"}
-        unchecked = {name for name in offered if (path.stem, name) not in checked}
+        unchecked = {name for name in switches(text) if (path.stem, name) not in checked}
         assert not unchecked, f"{path.name}: {sorted(unchecked)} never checked"
         labels = {c.label for c in CHECKS if c.model == path.stem and c.violation is None}
         assert any("safety" in label for label in labels), f"{path.name}: no safety check"
         assert any("liveness" in label for label in labels), f"{path.name}: no liveness check"
+
+
+def test_every_cited_name_exists_in_src() -> None:
+    """Each model header, and docs/how-we-know.md, cites the code it mirrors as ``path  Name``
+    lines; a name renamed or removed in src/ fails here, so a model cannot drift from the code
+    unnoticed."""
+    found = []
+    for path in sorted(MODELS.glob("*.pml")):
+        cited = citations(model_header(path.read_text()), path.name)
+        assert cited, f"{path.name}: its header cites no code (src/idemq/...py  Name lines)"
+        found += cited
+    page = ROOT / "docs" / "how-we-know.md"
+    cited = citations(page.read_text(), page.name)
+    assert cited, f"{page.name} cites no code"
+    found += cited
+    problems = missing(found)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_citation_of_a_name_that_is_gone_is_reported(tmp_path: Path) -> None:
+    module = tmp_path / "src" / "idemq" / "m.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("class A:\n    x: int\n    def f(self) -> None: ...\nG = 1\n")
+    text = " *   src/idemq/m.py  A.f, A.x, G, A.gone\n *   src/idemq/none.py  H\n"
+    assert missing(citations(text, "t.pml"), tmp_path) == [
+        "t.pml: src/idemq/m.py has no A.gone",
+        "t.pml: src/idemq/none.py does not exist",
+    ]
