@@ -89,11 +89,24 @@ CHECKS = [
     Check("batch", "MariaDB, safety"),
     Check("batch", "PostgreSQL, safety", ("POSTGRES",)),
     Check("batch", "MariaDB, liveness", liveness=True),
+    Check("batch", "PostgreSQL, liveness", ("POSTGRES",), liveness=True),
+    Check(
+        "batch",
+        "before ConfirmIn: a swallowed deadlock, MariaDB",
+        ("NO_CONFIRM",),
+        violation="assertion violated (row[i]&&(eff[i]==1))",
+    ),
+    Check(
+        "batch",
+        "before ConfirmIn: a swallowed error, PostgreSQL",
+        ("NO_CONFIRM", "POSTGRES"),
+        violation="assertion violated (row[i]&&(eff[i]==1))",
+    ),
     Check(
         "batch",
         "mutant: carry on after the rollback, MariaDB",
         ("MUTANT_CARRY_ON",),
-        violation="assertion violated (row[i]&&(eff[i]==1))",
+        violation="assertion violated (eff[i]<=1)",
     ),
     # Issue 24 saw the carry-on bug on MariaDB only; the model agrees: PostgreSQL keeps the
     # transaction, so ROLLBACK TO SAVEPOINT recovers it.
