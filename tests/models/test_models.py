@@ -111,6 +111,21 @@ CHECKS = [
     # Issue 24 saw the carry-on bug on MariaDB only; the model agrees: PostgreSQL keeps the
     # transaction, so ROLLBACK TO SAVEPOINT recovers it.
     Check("batch", "mutant: carry on, PostgreSQL (holds)", ("MUTANT_CARRY_ON", "POSTGRES")),
+    Check("lease_batch", "safety"),
+    Check("lease_batch", "2 overruns, safety", ("MAX_OVERRUN=2",)),
+    Check("lease_batch", "liveness", liveness=True),
+    Check(
+        "lease_batch",
+        "before issue 30: only the running handler's claim renewed",
+        ("RENEW_RUNNING_ONLY",),
+        violation="assertion violated (eff[m]<=(1+excuse[m]))",
+    ),
+    Check(
+        "lease_batch",
+        "mutant: no re-check before the handler starts",
+        ("MUTANT_NO_RECHECK",),
+        violation="assertion violated (eff[m]<=(1+excuse[m]))",
+    ),
     Check("outbox", "2 relays, safety"),
     Check("outbox", "3 relays, safety", ("K=3",)),
     Check("outbox", "2 relays, liveness", liveness=True),
