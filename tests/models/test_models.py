@@ -59,6 +59,11 @@ class Check:
         return f"{self.model}: {self.label}"
 
 
+# lease.pml's promise: no worker but w believes it holds a live lease.
+ALONE = (
+    "assertion violated ((((w==0)||(prom[0]==0))&&((w==1)||(prom[1]==0)))"
+    "&&((w==2)||(prom[2]==0)))"
+)
 CHECKS = [
     Check("lease", "store clock, safety"),
     Check("lease", "store clock, liveness", liveness=True),
@@ -66,7 +71,7 @@ CHECKS = [
         "lease",
         "current code: each worker's clock judges",
         ("WORKER_CLOCK",),
-        violation="assertion violated ((owner==255)||(own_left==0))",
+        violation=ALONE,
     ),
     Check(
         "lease",
@@ -85,6 +90,24 @@ CHECKS = [
         "mutant: takeover under another payload",
         ("MUTANT_TAKEOVER_ANY_PAYLOAD",),
         violation="assertion violated (payload==mine)",
+    ),
+    Check(
+        "lease",
+        "mutant: renew without the owner check",
+        ("MUTANT_RENEW_WITHOUT_OWNER",),
+        violation=ALONE,
+    ),
+    Check(
+        "lease",
+        "mutant: release without the owner check",
+        ("MUTANT_RELEASE_WITHOUT_OWNER",),
+        violation=ALONE,
+    ),
+    Check(
+        "lease",
+        "mutant: take over a completed record",
+        ("MUTANT_TAKEOVER_COMPLETED",),
+        violation="assertion violated (completions==1)",
     ),
     Check("batch", "MariaDB, safety"),
     Check("batch", "PostgreSQL, safety", ("POSTGRES",)),
