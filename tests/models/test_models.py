@@ -149,10 +149,14 @@ CHECKS = [
         ("MUTANT_NO_RECHECK",),
         violation="assertion violated (eff[m]<=(1+excuse[m]))",
     ),
-    Check("outbox", "2 relays, safety"),
-    Check("outbox", "3 relays, safety", ("K=3",)),
-    Check("outbox", "2 relays, liveness", liveness=True),
-    Check("outbox", "3 relays, liveness", ("K=3",), liveness=True),
+    Check("outbox", "PostgreSQL, 2 relays, safety"),
+    Check("outbox", "PostgreSQL, 2 relays, liveness", liveness=True),
+    Check(
+        "outbox",
+        "mutant: Outbox.add without the key's advisory lock",
+        ("MUTANT_NO_KEY_LOCK",),
+        violation="assertion violated in_order",
+    ),
     Check(
         "outbox",
         "mutant: skip locked rows before picking a key's oldest",
@@ -172,6 +176,21 @@ CHECKS = [
         liveness=True,
         violation="acceptance cycle",
         ignore_assertions=True,
+    ),
+    Check("outbox_lease", "SQLite, 2 relays, safety"),
+    Check("outbox_lease", "SQLite, 3 relays, safety", ("K=3",)),
+    Check("outbox_lease", "SQLite, 2 relays, liveness", liveness=True),
+    Check(
+        "outbox_lease",
+        "before issue 30: a relay stalled past its row lease",
+        ("NO_ROW_FENCE",),
+        violation="assertion violated first_or_excused",
+    ),
+    Check(
+        "outbox_lease",
+        "mutant: leases renewed, no check before the publish",
+        ("MUTANT_NO_FENCE",),
+        violation="assertion violated first_or_excused",
     ),
 ]
 
@@ -293,7 +312,7 @@ def test_model(
 ) -> None:
     found, defines = search(check, tools, tmp_path)
     record_property("pan", found.output)
-    report_run(f"{check.model:<10} {check.label:<60} {found.summary}  {found.verdict}")
+    report_run(f"{check.model:<12} {check.label:<58} {found.summary}  {found.verdict}")
 
     assert "Full statespace search" in found.output, found.output
     if check.violation is None:
