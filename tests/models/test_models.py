@@ -61,8 +61,7 @@ class Check:
 
 # lease.pml's promise: no worker but w believes it holds a live lease.
 ALONE = (
-    "assertion violated ((((w==0)||(prom[0]==0))&&((w==1)||(prom[1]==0)))"
-    "&&((w==2)||(prom[2]==0)))"
+    "assertion violated ((((w==0)||(prom[0]==0))&&((w==1)||(prom[1]==0)))&&((w==2)||(prom[2]==0)))"
 )
 CHECKS = [
     Check("lease", "store clock, safety"),
@@ -317,7 +316,9 @@ def test_model(
     assert "Full statespace search" in found.output, found.output
     if check.violation is None:
         assert found.errors == 0, f"SPIN found a violation:\n{found.output}"
-        assert not found.incomplete, f"the search did not finish ({found.incomplete}):\n{found.output}"
+        assert not found.incomplete, (
+            f"the search did not finish ({found.incomplete}):\n{found.output}"
+        )
         return
     assert found.errors >= 1, f"SPIN did not catch {check.label!r}: a vacuous model?"
     assert check.violation in found.output, found.output
