@@ -403,3 +403,16 @@ def test_a_citation_of_a_name_that_is_gone_is_reported(tmp_path: Path) -> None:
         "t.pml: src/idemq/m.py has no A.gone",
         "t.pml: src/idemq/none.py does not exist",
     ]
+
+
+def test_the_summary_says_what_pan_found() -> None:
+    """The verdict printed is pan's, not the check's expectation: a design check that failed
+    must not read as one that held."""
+    full = "Full statespace search for:\n"
+    violated = "pan:1: assertion violated (x==1) (at depth 7)\n" + full + "errors: 1\n"
+    assert Search(violated, 0.0).verdict == "violated: (x==1)"
+    cycle = "pan:1: acceptance cycle (at depth 9)\n" + full + "errors: 1\n"
+    assert Search(cycle, 0.0).verdict == "violated: acceptance cycle"
+    assert Search(full + "errors: 0\n", 0.0).verdict == "held"
+    cut = "error: max search depth too small\n" + full + "errors: 0\n"
+    assert Search(cut, 0.0).verdict == "incomplete"
