@@ -12,7 +12,7 @@
  *   src/idemq/stores/sql/store.py  SqlStore.transaction, SqlStore.claim_many_in, SqlStore.confirm_in
  *   src/idemq/stores/sql/store.py  SqlStore.save_result_in, SqlStore.release_in
  *   src/idemq/stores/sql/store.py  SqlStore.begin_savepoint, SqlStore.end_savepoint
- *   src/idemq/stores/sql/store.py  SqlStoreBase.transaction_lost_by
+ *   src/idemq/stores/sql/store.py  SqlStoreBase.transaction_lost_by, SqlStore._in_transaction
  *   src/idemq/stores/sql/plans.py  SqlPlans.claim_many, SqlPlans.save_result, SqlPlans.release_in
  *   src/idemq/errors.py  TransactionLostError, StoreConflictError
  *

@@ -13,6 +13,8 @@
  *   src/idemq/stores/redis/scripts.py  CLAIM, RENEW, COMPLETE, RELEASE: the takeover with the
  *                                   payload check; renew, complete and release only for the
  *                                   owner's PROCESSING record
+ *   src/idemq/stores/sql/store.py  SqlStore._own_transaction: each lease primitive a short
+ *                                   transaction of its own, run again after a deadlock
  *   src/idemq/stores/sql/plans.py  SqlPlans.claim_unexpired, SqlPlans.renew, SqlPlans.complete
  *   src/idemq/stores/sql/plans.py  SqlPlans.release (AND status = 0 AND owner = :owner)
  *   src/idemq/stores/sql/dialects.py  PostgresPlans.claim, MariaDbPlans.claim, SqlitePlans.claim
