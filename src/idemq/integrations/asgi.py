@@ -1,0 +1,415 @@
+"""``IdempotencyKeyMiddleware``: the HTTP ``Idempotency-Key`` header for any ASGI app
+(Starlette, FastAPI, …), on idemq's async guard and stores.
+
+A pure ASGI middleware, like Starlette's own: it wraps ``receive`` and ``send``, lets websocket
+and lifespan scopes and unguarded methods through untouched, and buffers only what it must
+store — the body of a guarded request (for its fingerprint) and of its response (for replay).
+
+One guarded request::
+
+    key     Idempotency-Key header (or key=callable(scope, body)) → dedup id in the client's scope
+    claim   the guard claims the id (AsyncIdempotency.process), with the request's fingerprint
+    run     the app runs with the response captured; a transactional store's connection is in
+            scope["state"]["idemq_tx"], so the app's writes join the dedup row's transaction
+    store   a stored status → the response is the guard's result, committed with the effect,
+            then sent; any other status (5xx) → the handler fails on purpose: the transaction
+            rolls back (lease mode: the claim is released) and the response is sent unstored
+    again   same key, same fingerprint → the stored response, ``Idempotent-Replayed: true``;
+            another fingerprint → 422; still running → 409 (or wait up to ``wait_s``)
+
+The rules themselves (key syntax, scoping, fingerprint, header filter, problem bodies) are in
+:mod:`idemq.integrations.http`, shared with the Django middleware.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+from idemq._clock import Clock
+from idemq.drivers.sql import translated
+from idemq.errors import (
+    ConfigurationError,
+    InvalidMessageIdError,
+    LeaseLostError,
+    PayloadMismatchError,
+    StoreConflictError,
+    StoreError,
+)
+from idemq.guard.core import Mode, Outcome, Status
+from idemq.guard.idempotency_async import AsyncIdempotency
+from idemq.guard.probes import Observer
+from idemq.integrations.http import (
+    DEFAULT_METHODS,
+    KEY_HEADER,
+    MAX_KEY_CHARS,
+    Problem,
+    StoredResponse,
+    check_key,
+    dedup_id,
+    parse_key,
+    request_fingerprint,
+    scope_token,
+)
+from idemq.integrations.http import stored_statuses as _stored_statuses
+from idemq.stores.base import AsyncStore, AsyncTransactionalStore
+
+__all__ = ["TX_STATE_KEY", "IdempotencyKeyMiddleware"]
+
+log = logging.getLogger("idemq.http")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+ScopeFn = Callable[[Scope], "str | Awaitable[str | None] | None"]
+KeyFn = Callable[[Scope, bytes], "str | Awaitable[str | None] | None"]
+
+TX_STATE_KEY = "idemq_tx"
+"""``scope["state"][TX_STATE_KEY]`` (Starlette: ``request.state.idemq_tx``): the SQLAlchemy
+``AsyncConnection`` of the dedup transaction while a guarded request runs in transactional
+mode; None in lease mode."""
+
+# Extensions that let an app send a response without its bytes passing through ``send``
+# (a file by path): a guarded response must pass through, to be stored.
+_BYPASS_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
+
+
+class _NotStored(Exception):
+    """Raised by the guarded handler for a response that is not stored, so the guard rolls
+    back its transaction (or releases its claim): what is not stored did not happen."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
+class _Capture:
+    """The app's response, held back until the guard has decided (committed or rolled back)."""
+
+    __slots__ = ("body", "headers", "max_bytes", "size", "status", "unstorable")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.status: int | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.size = 0
+        self.unstorable: str | None = None
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = int(message["status"])
+            self.headers = [(bytes(n), bytes(v)) for n, v in message.get("headers", ())]
+            if message.get("trailers"):
+                self.unstorable = "the response has trailers, which are not stored for replay"
+        elif kind == "http.response.body":
+            chunk = bytes(message.get("body", b""))
+            self.size += len(chunk)
+            if self.size > self.max_bytes:
+                self.body.clear()  # past the limit nothing more is kept in memory
+            else:
+                self.body.append(chunk)
+        elif kind != "http.response.trailers":
+            self.unstorable = f"the app sent {kind!r}, which cannot be stored for replay"
+
+    def joined(self) -> bytes:
+        return b"".join(self.body)
+
+
+class IdempotencyKeyMiddleware:
+    """Guard an ASGI app's ``POST``/``PATCH`` requests with the ``Idempotency-Key`` header.
+
+    ``store``: an async store (:class:`~idemq.AsyncSqlStore`, :class:`~idemq.AsyncRedisStore`).
+    In transactional mode (a SQL store's default) the dedup row, the stored response and the
+    app's own writes through ``scope["state"]["idemq_tx"]`` commit together or not at all; in
+    lease mode (Redis, or ``mode="lease"``) the effect is elsewhere and a response that is
+    not stored releases the claim.
+
+    Options:
+
+    * ``required`` — a guarded request without a key gets 400 (else it passes unguarded);
+    * ``methods`` — the guarded methods; any other passes through untouched;
+    * ``scope`` — ``callable(asgi_scope) -> str | None`` naming the client a key belongs to (a
+      user or session id); ``None`` (default): a digest of the ``Authorization`` header, or the
+      whole app for requests without one. Apps with cookie sessions must pass it;
+    * ``key`` — ``callable(asgi_scope, body) -> str | None`` reading the key from the request
+      instead of the header (a webhook's event id); may be async;
+    * ``wait_s`` — how long a request whose key is still running waits for it to finish and
+      replays its response, instead of answering 409 at once;
+    * ``consumer`` — the dedup records' consumer name (keeps these keys apart from others);
+    * ``mode``, ``lease_s``, ``clock``, ``observer`` — passed to the guard;
+    * ``stored_statuses`` — the statuses whose responses are stored (default:
+      :data:`~idemq.integrations.http.DEFAULT_STORED_STATUSES`); no 5xx;
+    * ``max_key_chars`` — the longest key accepted (at most 95);
+    * ``max_request_bytes`` — the largest guarded request body (413 past it);
+    * ``max_response_bytes`` — the largest response stored; a larger one is not stored, its
+      transaction rolls back (lease: its claim is released) and the client gets a 500 problem:
+      a success that could not be recorded is never reported;
+    * ``problem_type_base`` — a URI the problems' ``type`` is made from (``base + code``);
+      default ``about:blank``.
+
+    The retention of keys is the store's: ``expires_after_s`` on the store, or ``idemq purge``.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        store: AsyncStore,
+        *,
+        required: bool = False,
+        methods: Iterable[str] = DEFAULT_METHODS,
+        scope: ScopeFn | None = None,
+        key: KeyFn | None = None,
+        wait_s: float = 0,
+        consumer: str = "http",
+        mode: str | None = None,
+        lease_s: float = 30.0,
+        stored_statuses: Iterable[int] | None = None,
+        max_key_chars: int = MAX_KEY_CHARS,
+        max_request_bytes: int = 1024 * 1024,
+        max_response_bytes: int = 1024 * 1024,
+        problem_type_base: str | None = None,
+        clock: Clock | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        if not isinstance(store, AsyncStore):
+            raise ConfigurationError(
+                f"IdempotencyKeyMiddleware needs an async store (AsyncSqlStore, "
+                f"AsyncRedisStore), got {type(store).__name__}"
+            )
+        if not 0 < max_key_chars <= MAX_KEY_CHARS:
+            raise ConfigurationError(f"max_key_chars must be 1-{MAX_KEY_CHARS}")
+        if max_request_bytes <= 0 or max_response_bytes <= 0:
+            raise ConfigurationError("max_request_bytes and max_response_bytes must be positive")
+        self.app = app
+        self.store = store
+        transactional = isinstance(store, AsyncTransactionalStore) and mode != Mode.LEASE
+        # In transactional mode a retry waits on the first request's row lock, not by polling:
+        # the guard's wait_s is a lease-mode option, the lock timeout below stands for it.
+        self.guard = AsyncIdempotency(
+            store,
+            consumer=consumer,
+            mode=mode,
+            lease_s=lease_s,
+            wait_s=0 if transactional else wait_s,
+            clock=clock,
+            observer=observer,
+        )
+        self.required = required
+        self.methods = frozenset(m.upper() for m in methods)
+        self.scope_fn = scope
+        self.key_fn = key
+        self.wait_ms = round(wait_s * 1000)
+        self.stored_statuses = _stored_statuses(stored_statuses)
+        self.max_key_chars = max_key_chars
+        self.max_request_bytes = max_request_bytes
+        self.max_response_bytes = max_response_bytes
+        self.problem_type_base = problem_type_base
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self.methods:
+            await self.app(scope, receive, send)
+            return
+        body = await self._read_body(receive)
+        if body is None:
+            return  # the client left before its request arrived: nothing to answer
+        if len(body) > self.max_request_bytes:
+            await self._problem(send, Problem.request_too_large(self.max_request_bytes))
+            return
+        try:
+            key = await self._key(scope, body)
+        except InvalidMessageIdError as exc:
+            await self._problem(send, Problem.invalid_key(str(exc)))
+            return
+        replay = _replaying(body, receive)
+        if key is None:
+            if self.required:
+                await self._problem(send, Problem.missing_key())
+            else:
+                await self.app(scope, replay, send)
+            return
+        token = scope_token(await self._scope_value(scope))
+        fingerprint = request_fingerprint(
+            scope["method"],
+            scope.get("root_path", "") + scope["path"],
+            scope.get("query_string", b""),
+            body,
+        )
+        await self._guarded(scope, replay, send, dedup_id(token, key), fingerprint)
+
+    # -- the request ------------------------------------------------------------------------
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole request body (stops reading one chunk past the limit), or None when
+        the client disconnected first."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            chunks.append(chunk)
+            if not message.get("more_body", False) or size > self.max_request_bytes:
+                return b"".join(chunks)
+
+    async def _key(self, scope: Scope, body: bytes) -> str | None:
+        """The client's key (checked), or None when the request carries none."""
+        if self.key_fn is not None:
+            try:
+                found = await _maybe_await(self.key_fn(scope, body))
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+                raise InvalidMessageIdError(f"the request's key could not be read: {exc}") from exc
+            if found is None:
+                return None
+            if not isinstance(found, str):
+                raise InvalidMessageIdError(f"key= returned {type(found).__name__}, not str")
+            return check_key(found, self.max_key_chars)
+        raw = [value for name, value in scope.get("headers", ()) if name.lower() == KEY_HEADER]
+        if not raw:
+            return None
+        if len(raw) > 1:
+            raise InvalidMessageIdError("the request has more than one Idempotency-Key header")
+        return check_key(parse_key(raw[0]), self.max_key_chars)
+
+    async def _scope_value(self, scope: Scope) -> str | bytes | None:
+        if self.scope_fn is not None:
+            value: str | bytes | None = await _maybe_await(self.scope_fn(scope))
+            return value
+        for name, credentials in scope.get("headers", ()):
+            if name.lower() == b"authorization":
+                return bytes(credentials)
+        return None
+
+    # -- the guard --------------------------------------------------------------------------
+
+    async def _guarded(
+        self, scope: Scope, receive: Receive, send: Send, message_id: str, fingerprint: str
+    ) -> None:
+        capture = _Capture(self.max_response_bytes)
+
+        async def handler(tx: Any) -> dict[str, Any]:
+            if tx is not None:
+                await _lock_wait(tx, None)  # the app's own writes wait as they always would
+            await self.app(_app_scope(scope, tx), receive, capture.send)
+            return self._judge(capture)
+
+        outcome: Outcome[dict[str, Any]]
+        try:
+            if self.guard.mode is Mode.TRANSACTIONAL:
+                store = self.store
+                assert isinstance(store, AsyncTransactionalStore)
+                async with store.transaction() as conn:
+                    await _lock_wait(conn, self.wait_ms)
+                    outcome = await self.guard.process(
+                        message_id, handler, payload=fingerprint, connection=conn
+                    )
+            else:
+                outcome = await self.guard.process(message_id, handler, payload=fingerprint)
+        except _NotStored as response:
+            await _respond(send, response.status, response.headers, response.body)
+            return
+        except PayloadMismatchError:
+            await self._problem(send, Problem.reused())
+            return
+        except (StoreConflictError, LeaseLostError):
+            # Transactional: the first request's row lock outlasted wait_s (or a deadlock
+            # rolled this one back): nothing was written, a retry is safe.
+            await self._problem(send, Problem.in_flight())
+            return
+        except StoreError:
+            log.warning("idempotency store failed for %s", message_id, exc_info=True)
+            await self._problem(send, Problem.store_unavailable())
+            return
+        if outcome.status is Status.PROCESSED:
+            assert capture.status is not None
+            await _respond(send, capture.status, capture.headers, capture.joined())
+        elif outcome.status is Status.DUPLICATE:
+            stored = StoredResponse.from_result(outcome.result)
+            await _respond(send, stored.status, stored.replay_headers(), stored.body)
+        else:
+            await self._problem(send, Problem.in_flight())
+
+    def _judge(self, capture: _Capture) -> dict[str, Any]:
+        """The stored form of the captured response, or :class:`_NotStored` to undo the run."""
+        if capture.status is None:
+            raise RuntimeError("the app returned without starting a response")
+        if capture.unstorable is not None:
+            log.warning("response not stored: %s", capture.unstorable)
+            raise self._not_stored(Problem.unstorable(capture.unstorable))
+        if capture.size > self.max_response_bytes:
+            log.warning(
+                "response of %d bytes is over max_response_bytes=%d: not stored, rolled back",
+                capture.size,
+                self.max_response_bytes,
+            )
+            raise self._not_stored(Problem.response_too_large(self.max_response_bytes))
+        if capture.status not in self.stored_statuses:
+            raise _NotStored(capture.status, capture.headers, capture.joined())
+        body = capture.joined()
+        return StoredResponse.of(capture.status, capture.headers, body).to_result()
+
+    def _not_stored(self, problem: Problem) -> _NotStored:
+        body = problem.body(self.problem_type_base)
+        return _NotStored(problem.status, problem.headers(body), body)
+
+    async def _problem(self, send: Send, problem: Problem) -> None:
+        body = problem.body(self.problem_type_base)
+        await _respond(send, problem.status, problem.headers(body), body)
+
+
+def _app_scope(scope: Scope, tx: Any) -> Scope:
+    """The scope the app sees: ``state`` carries the transaction; no extension that would let
+    a response bypass ``send``. A copy: the server's scope and its shared state stay as they
+    were."""
+    inner = dict(scope)
+    inner["state"] = {**scope.get("state", {}), TX_STATE_KEY: tx}
+    extensions = scope.get("extensions")
+    if extensions and any(name in extensions for name in _BYPASS_EXTENSIONS):
+        inner["extensions"] = {k: v for k, v in extensions.items() if k not in _BYPASS_EXTENSIONS}
+    return inner
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the body already read, then the client's own
+    ``receive`` (a disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _lock_wait(conn: Any, wait_ms: int | None) -> None:
+    """PostgreSQL: how long the claim waits for a running first request's row lock before
+    this request is answered 409 (``wait_ms``), or back to the server's setting (None) once
+    the claim is made. Other databases wait as their own lock timeout says."""
+    if conn.dialect.name != "postgresql":
+        return
+    setting = "DEFAULT" if wait_ms is None else f"'{max(wait_ms, 1)}ms'"
+    with translated("SET LOCAL lock_timeout"):
+        await conn.exec_driver_sql(f"SET LOCAL lock_timeout = {setting}")
+
+
+async def _respond(
+    send: Send, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": list(headers)})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
