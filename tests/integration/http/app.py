@@ -5,7 +5,7 @@ in ``IDEMQ_HTTP_TEST``: which store, where the effect lands, the middleware's op
 through ``request.state.idemq_tx`` (transactional mode: the dedup transaction) or an entry in
 a Redis list (lease mode: an effect elsewhere). ``gate`` makes it wait for the test (a file),
 ``fail_times`` answers 500 for the first attempts, ``size`` pads the response, ``status``
-picks it.
+picks it, ``lock_ref`` first updates that business row (SQL stores).
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ def create_app() -> Any:
             attempts.write("x\n")
         attempt = len((gates / f"{ref}.attempts").read_text().splitlines())
         run = uuid.uuid4().hex
+        if "lock_ref" in order:  # a write that waits for another transaction's row lock
+            update = text(f"UPDATE {table} SET run = :run WHERE ref = :lock")
+            await request.state.idemq_tx.execute(update, {"run": run, "lock": order["lock_ref"]})
         await effect(request, ref, run)
         status = order.get("status", 201)
         if attempt <= order.get("fail_times", 0):

@@ -4,13 +4,16 @@ Redis in lease mode (the effect is elsewhere)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from tests.conftest import unique
 from tests.integration.http.conftest import Server, serve
@@ -270,3 +273,91 @@ def test_webhook_redeliveries_run_once(kind: str, tmp_path: Path) -> None:
 
         # an event without its id is a bad request, not a crash
         problem(client.post("/webhooks/pay", json={"type": "x"}), 400, "idempotency-key-invalid")
+
+
+def test_the_apps_own_writes_wait_for_locks_as_usual(tmp_path: Path) -> None:
+    """The claim's short lock timeout (PostgreSQL: how a retry learns the first still runs)
+    must not reach the app's writes: one that waits for another transaction's row lock waits,
+    it is not refused as a conflict."""
+    with serve("postgres", tmp_path) as server:
+        assert server.engine is not None
+        locked, ref = unique("locked"), unique("order")
+        with server.engine.begin() as conn:
+            conn.execute(
+                sa.text(f"INSERT INTO {server.business_table} (ref, run) VALUES (:r, 'x')"),
+                {"r": locked},
+            )
+        answers: dict[str, httpx.Response] = {}
+        with server.engine.connect() as holder:
+            holder.execute(
+                sa.text(f"UPDATE {server.business_table} SET run = 'held' WHERE ref = :r"),
+                {"r": locked},
+            )  # the row lock is held until this transaction ends
+            body = {"ref": ref, "lock_ref": locked}
+            sender = threading.Thread(
+                target=lambda: answers.update(first=post(server, unique("k"), body))
+            )
+            sender.start()
+            wait_for_lock_wait(server)
+            holder.rollback()
+        sender.join(60)
+        assert answers["first"].status_code == 201, answers["first"].text
+        assert server.effects(ref) == 1
+
+
+def wait_for_lock_wait(server: Server, deadline_s: float = 20.0) -> None:
+    """Until a statement on the server's business table waits for a lock (PostgreSQL)."""
+    assert server.engine is not None
+    query = sa.text(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE :q"
+    )
+    deadline = time.monotonic() + deadline_s
+    with server.engine.connect() as conn:
+        while not conn.execute(query, {"q": f"UPDATE {server.business_table}%"}).scalar_one():
+            assert time.monotonic() < deadline, "the app's write never waited for the lock"
+            time.sleep(0.01)
+            conn.rollback()
+
+
+def _race_one(url: str, key: str, body: dict[str, Any], barrier: Any, results: Any) -> None:
+    """One client process of the race: wait for the others, send, report."""
+    barrier.wait(30)
+    with httpx.Client(base_url=url, timeout=60.0) as client:
+        answer = client.post("/orders", json=body, headers=key_header(key))
+    replayed = answer.headers.get("idempotent-replayed") == "true"
+    results.put((answer.status_code, replayed, answer.text))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["postgres", "redis"])
+def test_concurrent_retries_from_several_processes_make_one_effect(
+    kind: str, tmp_path: Path
+) -> None:
+    processes = 4
+    with serve(kind, tmp_path) as server:
+        key, ref, gate = unique("k"), unique("order"), unique("gate")
+        body = {"ref": ref, "gate": gate}
+        context = multiprocessing.get_context("spawn")
+        barrier, results = context.Barrier(processes), context.Queue()
+        clients = [
+            context.Process(target=_race_one, args=(server.url, key, body, barrier, results))
+            for _ in range(processes)
+        ]
+        for client in clients:
+            client.start()
+        try:
+            # The one that won the claim waits at the gate; every other is told 409 meanwhile.
+            losers = [results.get(timeout=60) for _ in range(processes - 1)]
+            assert [status for status, _, _ in losers] == [409] * (processes - 1), losers
+            server.open_gate(gate)
+            winner = results.get(timeout=60)
+        finally:
+            server.open_gate(gate)
+            for client in clients:
+                client.join(30)
+        assert winner[:2] == (201, False)
+        assert server.effects(ref) == 1
+        again = post(server, key, body)
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.text == winner[2]
+        assert server.effects(ref) == 1
