@@ -237,13 +237,15 @@ def test_wait_s_waits_for_the_first_and_replays(kind: str, tmp_path: Path) -> No
         answers: dict[str, httpx.Response] = {}
         first = threading.Thread(target=lambda: answers.update(first=post(server, key, body)))
         first.start()
-        server.wait_started(gate)
-        retry = threading.Thread(target=lambda: answers.update(retry=post(server, key, body)))
-        retry.start()
-        retry.join(0.5)
-        assert retry.is_alive(), "the retry was answered without waiting for the first"
-        server.open_gate(gate)
-        first.join(60)
+        try:
+            server.wait_started(gate)
+            retry = threading.Thread(target=lambda: answers.update(retry=post(server, key, body)))
+            retry.start()
+            retry.join(0.5)
+            assert retry.is_alive(), "the retry was answered without waiting for the first"
+        finally:
+            server.open_gate(gate)
+            first.join(60)
         retry.join(60)
         assert answers["first"].status_code == 201
         assert answers["retry"].status_code == 201
