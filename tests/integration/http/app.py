@@ -5,7 +5,8 @@ in ``IDEMQ_HTTP_TEST``: which store, where the effect lands, the middleware's op
 through ``request.state.idemq_tx`` (transactional mode: the dedup transaction) or an entry in
 a Redis list (lease mode: an effect elsewhere). ``gate`` makes it wait for the test (a file),
 ``fail_times`` answers 500 for the first attempts, ``size`` pads the response, ``status``
-picks it, ``lock_ref`` first updates that business row (SQL stores).
+picks it, ``raise_times`` raises after the write, ``lock_ref`` first updates that business row
+(SQL stores). ``POST /stream`` answers in chunks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import redis.asyncio
 from sqlalchemy import text
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from idemq import AsyncRedisStore, AsyncSqlStore
@@ -89,6 +90,8 @@ def create_app() -> Any:
             update = text(f"UPDATE {table} SET run = :run WHERE ref = :lock")
             await request.state.idemq_tx.execute(update, {"run": run, "lock": order["lock_ref"]})
         await effect(request, ref, run)
+        if attempt <= order.get("raise_times", 0):
+            raise RuntimeError("the handler failed after its write")
         status = order.get("status", 201)
         if attempt <= order.get("fail_times", 0):
             status = 500
@@ -102,6 +105,17 @@ def create_app() -> Any:
                 "Set-Cookie": "session=secret",
             },
         )
+
+    async def stream(request: Request) -> Response:
+        order = await request.json()
+        ref = order["ref"]
+        await effect(request, ref, uuid.uuid4().hex)
+
+        async def chunks() -> Any:
+            for part in ("first;", "second;", ref):
+                yield part.encode()
+
+        return StreamingResponse(chunks(), status_code=201, media_type="text/plain")
 
     async def webhook(request: Request) -> Response:
         event = await request.json()
@@ -122,6 +136,7 @@ def create_app() -> Any:
         routes=[
             Route("/orders", create_order, methods=["POST"]),
             Route("/orders/{ref}", put_order, methods=["PUT"]),
+            Route("/stream", stream, methods=["POST"]),
             Route("/webhooks/pay", webhook, methods=["POST"]),
             Route("/webhooks/git", webhook, methods=["POST"]),
         ]

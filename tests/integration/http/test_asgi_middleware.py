@@ -130,6 +130,31 @@ def test_a_5xx_is_not_stored_and_the_retry_runs_once_more(server: Server) -> Non
     assert server.effects(ref) == (2 if server.kind == "redis" else 1)
 
 
+def test_an_app_that_raises_leaves_nothing_and_its_retry_runs(server: Server) -> None:
+    key, ref = unique("k"), unique("order")
+    body = {"ref": ref, "raise_times": 1}
+    assert post(server, key, body).status_code == 500  # the server's own error page
+    assert server.effects(ref) == (1 if server.kind == "redis" else 0)
+    retried = post(server, key, body)
+    assert retried.status_code == 201
+    assert "idempotent-replayed" not in retried.headers
+    assert server.effects(ref) == (2 if server.kind == "redis" else 1)
+
+
+def test_a_streamed_response_is_stored_whole_and_replayed(server: Server) -> None:
+    key, ref = unique("k"), unique("order")
+    with server.client() as client:
+        first = client.post("/stream", json={"ref": ref}, headers=key_header(key))
+        again = client.post("/stream", json={"ref": ref}, headers=key_header(key))
+        plain = client.post("/stream", json={"ref": ref})  # unguarded: streamed as it comes
+    assert first.status_code == again.status_code == plain.status_code == 201
+    assert first.text == again.text == plain.text == f"first;second;{ref}"
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.headers["content-type"].startswith("text/plain")
+    assert plain.headers["transfer-encoding"] == "chunked"
+    assert server.effects(ref) == 2
+
+
 def test_a_stored_4xx_is_replayed(server: Server) -> None:
     key, ref = unique("k"), unique("order")
     body = {"ref": ref, "status": 402}
