@@ -142,7 +142,9 @@ class IdempotencyKeyMiddleware:
     * ``key`` — ``callable(asgi_scope, body) -> str | None`` reading the key from the request
       instead of the header (a webhook's event id); may be async;
     * ``wait_s`` — how long a request whose key is still running waits for it to finish and
-      replays its response, instead of answering 409 at once;
+      replays its response, instead of answering 409 at once; ``None``: as long as it runs
+      (transactional: on its row lock, as the database's own lock timeout allows, with no
+      statement of the middleware's own; lease: up to ``lease_s``);
     * ``consumer`` — the dedup records' consumer name (keeps these keys apart from others);
     * ``mode``, ``lease_s``, ``clock``, ``observer`` — passed to the guard;
     * ``stored_statuses`` — the statuses whose responses are stored (default:
@@ -167,7 +169,7 @@ class IdempotencyKeyMiddleware:
         methods: Iterable[str] = DEFAULT_METHODS,
         scope: ScopeFn | None = None,
         key: KeyFn | None = None,
-        wait_s: float = 0,
+        wait_s: float | None = 0,
         consumer: str = "http",
         mode: str | None = None,
         lease_s: float = 30.0,
@@ -193,12 +195,13 @@ class IdempotencyKeyMiddleware:
         transactional = isinstance(store, AsyncTransactionalStore) and mode != Mode.LEASE
         # In transactional mode a retry waits on the first request's row lock, not by polling:
         # the guard's wait_s is a lease-mode option, the lock timeout below stands for it.
+        lease_wait_s = lease_s if wait_s is None else wait_s
         self.guard = AsyncIdempotency(
             store,
             consumer=consumer,
             mode=mode,
             lease_s=lease_s,
-            wait_s=0 if transactional else wait_s,
+            wait_s=0 if transactional else lease_wait_s,
             clock=clock,
             observer=observer,
         )
@@ -206,7 +209,10 @@ class IdempotencyKeyMiddleware:
         self.methods = frozenset(m.upper() for m in methods)
         self.scope_fn = scope
         self.key_fn = key
-        self.wait_ms = round(wait_s * 1000)
+        # PostgreSQL, transactional, a bounded wait: the middleware opens the transaction to
+        # bound the claim's lock wait (SET LOCAL lock_timeout), so the guard joins it.
+        self.owns_transaction = transactional and wait_s is not None
+        self.lock_wait_ms = round((wait_s or 0) * 1000)
         self.stored_statuses = _stored_statuses(stored_statuses)
         self.max_key_chars = max_key_chars
         self.max_request_bytes = max_request_bytes
@@ -297,18 +303,18 @@ class IdempotencyKeyMiddleware:
         capture = _Capture(self.max_response_bytes)
 
         async def handler(tx: Any) -> dict[str, Any]:
-            if tx is not None:
+            if self.owns_transaction:
                 await _lock_wait(tx, None)  # the app's own writes wait as they always would
             await self.app(_app_scope(scope, tx), receive, capture.send)
             return self._judge(capture)
 
         outcome: Outcome[dict[str, Any]]
         try:
-            if self.guard.mode is Mode.TRANSACTIONAL:
+            if self.owns_transaction:
                 store = self.store
                 assert isinstance(store, AsyncTransactionalStore)
                 async with store.transaction() as conn:
-                    await _lock_wait(conn, self.wait_ms)
+                    await _lock_wait(conn, self.lock_wait_ms)
                     outcome = await self.guard.process(
                         message_id, handler, payload=fingerprint, connection=conn
                     )

@@ -254,9 +254,13 @@ def test_required_key_missing_is_400(required_server: Server) -> None:
     assert required_server.effects(ref) == 1
 
 
-@pytest.mark.parametrize("kind", ["postgres", "redis"])
-def test_wait_s_waits_for_the_first_and_replays(kind: str, tmp_path: Path) -> None:
-    with serve(kind, tmp_path, wait_s=30) as server:
+@pytest.mark.parametrize(
+    ("kind", "wait_s"), [("postgres", 30), ("redis", 30), ("postgres", None), ("redis", None)]
+)
+def test_wait_s_waits_for_the_first_and_replays(
+    kind: str, wait_s: float | None, tmp_path: Path
+) -> None:
+    with serve(kind, tmp_path, wait_s=wait_s) as server:
         key, ref, gate = unique("k"), unique("order"), unique("gate")
         body = {"ref": ref, "gate": gate}
         answers: dict[str, httpx.Response] = {}
