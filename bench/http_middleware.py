@@ -14,7 +14,9 @@ Contenders, per store:
 * ``plain first``   — the app without the middleware (no key);
 * ``guarded first`` — the app with the middleware, a fresh key per request: the handler runs;
 * ``guarded replay`` — the same app, keys whose first request was sent just before (untimed):
-  the stored response is replayed without running the handler.
+  the stored response is replayed without running the handler;
+* PostgreSQL: ``wait=None first`` — the middleware with ``wait_s=None`` (a retry waits on the
+  first's row lock instead of being told 409: no statement of the middleware's own).
 
 They take turns in chunks of 50 requests, order rotating, for ``--rounds`` x N requests each.
 Prints requests/s, the ratios against the targets of issue 32 (replay >= 2x running the
@@ -90,7 +92,8 @@ def create_app() -> Any:
         store = AsyncRedisStore(REDIS_URL, prefix=prefix)
     else:
         store = AsyncSqlStore(PG_URL, table=f"{prefix}_dedup")
-    return IdempotencyKeyMiddleware(app, store=store)
+    wait_s = None if config.get("wait_none") else 0
+    return IdempotencyKeyMiddleware(app, store=store, wait_s=wait_s)
 
 
 # -- the bench ------------------------------------------------------------------------------
@@ -103,9 +106,10 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serve(store: str | None, prefix: str) -> Iterator[str]:
+def serve(store: str | None, prefix: str, *, wait_none: bool = False) -> Iterator[str]:
     port = _free_port()
-    env = {**os.environ, "IDEMQ_BENCH_HTTP": json.dumps({"store": store, "prefix": prefix})}
+    config = {"store": store, "prefix": prefix, "wait_none": wait_none}
+    env = {**os.environ, "IDEMQ_BENCH_HTTP": json.dumps(config)}
     command = [
         sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "--factory",
         "http_middleware:create_app", "--port", str(port), "--log-level", "warning",
@@ -163,19 +167,26 @@ def run(store: str, n: int, rounds: int) -> dict[str, float]:
         with (
             serve(None, prefix) as plain_url,
             serve(store, prefix) as guarded_url,
+            serve(store, prefix, wait_none=True) as waiting_url,
             httpx.Client(base_url=plain_url, timeout=30) as plain,
             httpx.Client(base_url=guarded_url, timeout=30) as guarded,
+            httpx.Client(base_url=waiting_url, timeout=30) as waiting,
         ):
             contenders: dict[str, tuple[Loop, Loop | None]] = {
                 "plain first": (sender(plain, keyed=False, expect_replay=False), None),
                 "guarded first": (sender(guarded, keyed=True, expect_replay=False), None),
+                "wait=None first": (sender(waiting, keyed=True, expect_replay=False), None),
                 "guarded replay": (
                     sender(guarded, keyed=True, expect_replay=True),
                     sender(guarded, keyed=True, expect_replay=False),
                 ),
             }
-            for name in ("plain first", "guarded first"):  # warm both servers' pools
-                contenders[name][0]([uuid.uuid4().hex for _ in range(20)])
+            if store != "postgres":  # the same round trips as "guarded first" in lease mode
+                del contenders["wait=None first"]
+            for name in contenders:  # warm the servers' pools
+                contenders[name][0 if contenders[name][1] is None else 1](
+                    [uuid.uuid4().hex for _ in range(20)]
+                )
             spent = dict.fromkeys(contenders, 0.0)
             count = dict.fromkeys(contenders, 0)
             names = list(contenders)
@@ -215,7 +226,7 @@ def main() -> None:
     for store in args.only.split(","):
         rates = run(store, args.n, args.rounds)
         for name, rate in rates.items():
-            print(f"{store:9} {name:15} {rate:8.0f} req/s")
+            print(f"{store:9} {name:16} {rate:8.0f} req/s")
         replay = rates["guarded replay"]
         print(
             f"{store:9} replay / guarded first (handler runs) = "
@@ -229,6 +240,11 @@ def main() -> None:
             f"{store:9} guarded first / plain first = "
             f"{rates['guarded first'] / rates['plain first']:.2f}x  (target >= 0.85)"
         )
+        if "wait=None first" in rates:
+            print(
+                f"{store:9} wait=None first / plain first = "
+                f"{rates['wait=None first'] / rates['plain first']:.2f}x  (target >= 0.85)"
+            )
     print(f"load after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
