@@ -209,8 +209,9 @@ class IdempotencyKeyMiddleware:
         self.methods = frozenset(m.upper() for m in methods)
         self.scope_fn = scope
         self.key_fn = key
-        # PostgreSQL, transactional, a bounded wait: the middleware opens the transaction to
-        # bound the claim's lock wait (SET LOCAL lock_timeout), so the guard joins it.
+        # Transactional with a bounded wait: the middleware opens the transaction (PostgreSQL:
+        # and bounds the claim's lock wait, SET LOCAL lock_timeout) and the guard joins it, so
+        # a lock wait that ran out is this request's 409, not a transaction the guard reruns.
         self.owns_transaction = transactional and wait_s is not None
         self.lock_wait_ms = round((wait_s or 0) * 1000)
         self.stored_statuses = _stored_statuses(stored_statuses)
@@ -223,24 +224,32 @@ class IdempotencyKeyMiddleware:
         if scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
             return
-        body = await self._read_body(receive)
-        if body is None:
-            return  # the client left before its request arrived: nothing to answer
-        if len(body) > self.max_request_bytes:
-            await self._problem(send, Problem.request_too_large(self.max_request_bytes))
-            return
-        try:
-            key = await self._key(scope, body)
-        except InvalidMessageIdError as exc:
-            await self._problem(send, Problem.invalid_key(str(exc)))
-            return
-        replay = _replaying(body, receive)
-        if key is None:
-            if self.required:
-                await self._problem(send, Problem.missing_key())
-            else:
-                await self.app(scope, replay, send)
-            return
+        if self.key_fn is None:
+            # The key is in the header: a request without one passes with its body unread
+            # (streamed to the app as it comes), and a bad one is refused before reading it.
+            try:
+                key = self._header_key(scope)
+            except InvalidMessageIdError as exc:
+                await self._problem(send, Problem.invalid_key(str(exc)))
+                return
+            if key is None:
+                await self._unguarded(scope, receive, send)
+                return
+            body = await self._body(receive, send)
+            if body is None:
+                return
+        else:
+            body = await self._body(receive, send)
+            if body is None:
+                return
+            try:
+                key = await self._callable_key(scope, body)
+            except InvalidMessageIdError as exc:
+                await self._problem(send, Problem.invalid_key(str(exc)))
+                return
+            if key is None:
+                await self._unguarded(scope, _replaying(body, receive), send)
+                return
         token = scope_token(await self._scope_value(scope))
         fingerprint = request_fingerprint(
             scope["method"],
@@ -248,13 +257,21 @@ class IdempotencyKeyMiddleware:
             scope.get("query_string", b""),
             body,
         )
+        replay = _replaying(body, receive)
         await self._guarded(scope, replay, send, dedup_id(token, key), fingerprint)
+
+    async def _unguarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request of a guarded method without a key: 400 when one is required."""
+        if self.required:
+            await self._problem(send, Problem.missing_key())
+        else:
+            await self.app(scope, receive, send)
 
     # -- the request ------------------------------------------------------------------------
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole request body (stops reading one chunk past the limit), or None when
-        the client disconnected first."""
+    async def _body(self, receive: Receive, send: Send) -> bytes | None:
+        """The whole request body; None when it was answered (413: past the limit, where
+        reading stops) or the client left before sending it all."""
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -263,28 +280,34 @@ class IdempotencyKeyMiddleware:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
+            if size > self.max_request_bytes:
+                await self._problem(send, Problem.request_too_large(self.max_request_bytes))
+                return None
             chunks.append(chunk)
-            if not message.get("more_body", False) or size > self.max_request_bytes:
+            if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _key(self, scope: Scope, body: bytes) -> str | None:
-        """The client's key (checked), or None when the request carries none."""
-        if self.key_fn is not None:
-            try:
-                found = await _maybe_await(self.key_fn(scope, body))
-            except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-                raise InvalidMessageIdError(f"the request's key could not be read: {exc}") from exc
-            if found is None:
-                return None
-            if not isinstance(found, str):
-                raise InvalidMessageIdError(f"key= returned {type(found).__name__}, not str")
-            return check_key(found, self.max_key_chars)
+    def _header_key(self, scope: Scope) -> str | None:
+        """The ``Idempotency-Key`` header's key (checked), or None without the header."""
         raw = [value for name, value in scope.get("headers", ()) if name.lower() == KEY_HEADER]
         if not raw:
             return None
         if len(raw) > 1:
             raise InvalidMessageIdError("the request has more than one Idempotency-Key header")
         return check_key(parse_key(raw[0]), self.max_key_chars)
+
+    async def _callable_key(self, scope: Scope, body: bytes) -> str | None:
+        """The key that ``key=`` reads from the request (checked), or None."""
+        assert self.key_fn is not None
+        try:
+            found = await _maybe_await(self.key_fn(scope, body))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidMessageIdError(f"the request's key could not be read: {exc}") from exc
+        if found is None:
+            return None
+        if not isinstance(found, str):
+            raise InvalidMessageIdError(f"key= returned {type(found).__name__}, not str")
+        return check_key(found, self.max_key_chars)
 
     async def _scope_value(self, scope: Scope) -> str | bytes | None:
         if self.scope_fn is not None:

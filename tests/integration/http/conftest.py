@@ -148,6 +148,7 @@ def serve(kind: str, tmp: Path, **options: Any) -> Iterator[Server]:
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """The app on each store in turn, default options but a small response limit."""
-    with serve(request.param, tmp_path_factory.mktemp("http"), max_response_bytes=4096) as running:
+    """The app on each store in turn, default options but small body limits."""
+    limits = {"max_response_bytes": 4096, "max_request_bytes": 65536}
+    with serve(request.param, tmp_path_factory.mktemp("http"), **limits) as running:
         yield running

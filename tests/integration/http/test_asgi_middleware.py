@@ -237,6 +237,15 @@ def test_a_response_too_large_to_store_is_refused_and_undone(server: Server) -> 
     assert server.effects(ref) == (2 if server.kind == "redis" else 0)
 
 
+def test_a_request_body_over_the_limit_is_413(server: Server) -> None:
+    key, ref = unique("k"), unique("order")
+    problem(post(server, key, {"ref": ref, "pad": "x" * 70_000}), 413, "request-too-large")
+    assert server.effects(ref) == 0
+    # without a key the request is not guarded, and the limit is not the middleware's to apply
+    assert post(server, None, {"ref": ref, "pad": "x" * 70_000}).status_code == 201
+    assert server.effects(ref) == 1
+
+
 # -- options --------------------------------------------------------------------------------
 
 
