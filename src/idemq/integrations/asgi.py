@@ -23,9 +23,8 @@ The rules themselves (key syntax, scoping, fingerprint, header filter, problem b
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from idemq._clock import Clock
@@ -41,6 +40,18 @@ from idemq.errors import (
 from idemq.guard.core import Mode, Outcome, Status
 from idemq.guard.idempotency_async import AsyncIdempotency
 from idemq.guard.probes import Observer
+from idemq.integrations._asgi import (
+    TX_STATE_KEY,
+    ASGIApp,
+    Capture,
+    Receive,
+    Scope,
+    Send,
+    app_scope,
+    maybe_await,
+    replaying,
+    respond,
+)
 from idemq.integrations.http import (
     DEFAULT_METHODS,
     KEY_HEADER,
@@ -60,22 +71,8 @@ __all__ = ["TX_STATE_KEY", "IdempotencyKeyMiddleware"]
 
 log = logging.getLogger("idemq.http")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ScopeFn = Callable[[Scope], "str | Awaitable[str | None] | None"]
 KeyFn = Callable[[Scope, bytes], "str | Awaitable[str | None] | None"]
-
-TX_STATE_KEY = "idemq_tx"
-"""``scope["state"][TX_STATE_KEY]`` (Starlette: ``request.state.idemq_tx``): the SQLAlchemy
-``AsyncConnection`` of the dedup transaction while a guarded request runs in transactional
-mode; None in lease mode."""
-
-# Extensions that let an app send a response without its bytes passing through ``send``
-# (a file by path): a guarded response must pass through, to be stored.
-_BYPASS_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
 
 
 class _NotStored(Exception):
@@ -87,40 +84,6 @@ class _NotStored(Exception):
         self.status = status
         self.headers = headers
         self.body = body
-
-
-class _Capture:
-    """The app's response, held back until the guard has decided (committed or rolled back)."""
-
-    __slots__ = ("body", "headers", "max_bytes", "size", "status", "unstorable")
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.status: int | None = None
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body: list[bytes] = []
-        self.size = 0
-        self.unstorable: str | None = None
-
-    async def send(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.status = int(message["status"])
-            self.headers = [(bytes(n), bytes(v)) for n, v in message.get("headers", ())]
-            if message.get("trailers"):
-                self.unstorable = "the response has trailers, which are not stored for replay"
-        elif kind == "http.response.body":
-            chunk = bytes(message.get("body", b""))
-            self.size += len(chunk)
-            if self.size > self.max_bytes:
-                self.body.clear()  # past the limit nothing more is kept in memory
-            else:
-                self.body.append(chunk)
-        elif kind != "http.response.trailers":
-            self.unstorable = f"the app sent {kind!r}, which cannot be stored for replay"
-
-    def joined(self) -> bytes:
-        return b"".join(self.body)
 
 
 class IdempotencyKeyMiddleware:
@@ -248,7 +211,7 @@ class IdempotencyKeyMiddleware:
                 await self._problem(send, Problem.invalid_key(str(exc)))
                 return
             if key is None:
-                await self._unguarded(scope, _replaying(body, receive), send)
+                await self._unguarded(scope, replaying(body, receive), send)
                 return
         token = scope_token(await self._scope_value(scope))
         fingerprint = request_fingerprint(
@@ -257,7 +220,7 @@ class IdempotencyKeyMiddleware:
             scope.get("query_string", b""),
             body,
         )
-        replay = _replaying(body, receive)
+        replay = replaying(body, receive)
         await self._guarded(scope, replay, send, dedup_id(token, key), fingerprint)
 
     async def _unguarded(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -300,7 +263,7 @@ class IdempotencyKeyMiddleware:
         """The key that ``key=`` reads from the request (checked), or None."""
         assert self.key_fn is not None
         try:
-            found = await _maybe_await(self.key_fn(scope, body))
+            found = await maybe_await(self.key_fn(scope, body))
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidMessageIdError(f"the request's key could not be read: {exc}") from exc
         if found is None:
@@ -311,7 +274,7 @@ class IdempotencyKeyMiddleware:
 
     async def _scope_value(self, scope: Scope) -> str | bytes | None:
         if self.scope_fn is not None:
-            value: str | bytes | None = await _maybe_await(self.scope_fn(scope))
+            value: str | bytes | None = await maybe_await(self.scope_fn(scope))
             return value
         for name, credentials in scope.get("headers", ()):
             if name.lower() == b"authorization":
@@ -323,12 +286,12 @@ class IdempotencyKeyMiddleware:
     async def _guarded(
         self, scope: Scope, receive: Receive, send: Send, message_id: str, fingerprint: str
     ) -> None:
-        capture = _Capture(self.max_response_bytes)
+        capture = Capture(self.max_response_bytes)
 
         async def handler(tx: Any) -> dict[str, Any]:
             if self.owns_transaction:
                 await _lock_wait(tx, None)  # the app's own writes wait as they always would
-            await self.app(_app_scope(scope, tx), receive, capture.send)
+            await self.app(app_scope(scope, tx), receive, capture.send)
             return self._judge(capture)
 
         outcome: Outcome[dict[str, Any]]
@@ -344,7 +307,7 @@ class IdempotencyKeyMiddleware:
             else:
                 outcome = await self.guard.process(message_id, handler, payload=fingerprint)
         except _NotStored as response:
-            await _respond(send, response.status, response.headers, response.body)
+            await respond(send, response.status, response.headers, response.body)
             return
         except PayloadMismatchError:
             await self._problem(send, Problem.reused())
@@ -360,14 +323,14 @@ class IdempotencyKeyMiddleware:
             return
         if outcome.status is Status.PROCESSED:
             assert capture.status is not None
-            await _respond(send, capture.status, capture.headers, capture.joined())
+            await respond(send, capture.status, capture.headers, capture.joined())
         elif outcome.status is Status.DUPLICATE:
             stored = StoredResponse.from_result(outcome.result)
-            await _respond(send, stored.status, stored.replay_headers(), stored.body)
+            await respond(send, stored.status, stored.replay_headers(), stored.body)
         else:
             await self._problem(send, Problem.in_flight())
 
-    def _judge(self, capture: _Capture) -> dict[str, Any]:
+    def _judge(self, capture: Capture) -> dict[str, Any]:
         """The stored form of the captured response, or :class:`_NotStored` to undo the run."""
         if capture.status is None:
             raise RuntimeError("the app returned without starting a response")
@@ -392,34 +355,7 @@ class IdempotencyKeyMiddleware:
 
     async def _problem(self, send: Send, problem: Problem) -> None:
         body = problem.body(self.problem_type_base)
-        await _respond(send, problem.status, problem.headers(body), body)
-
-
-def _app_scope(scope: Scope, tx: Any) -> Scope:
-    """The scope the app sees: ``state`` carries the transaction; no extension that would let
-    a response bypass ``send``. A copy: the server's scope and its shared state stay as they
-    were."""
-    inner = dict(scope)
-    inner["state"] = {**scope.get("state", {}), TX_STATE_KEY: tx}
-    extensions = scope.get("extensions")
-    if extensions and any(name in extensions for name in _BYPASS_EXTENSIONS):
-        inner["extensions"] = {k: v for k, v in extensions.items() if k not in _BYPASS_EXTENSIONS}
-    return inner
-
-
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that hands the app the body already read, then the client's own
-    ``receive`` (a disconnect)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
+        await respond(send, problem.status, problem.headers(body), body)
 
 
 async def _lock_wait(conn: Any, wait_ms: int | None) -> None:
@@ -431,14 +367,3 @@ async def _lock_wait(conn: Any, wait_ms: int | None) -> None:
     setting = "DEFAULT" if wait_ms is None else f"'{max(wait_ms, 1)}ms'"
     with translated("SET LOCAL lock_timeout"):
         await conn.exec_driver_sql(f"SET LOCAL lock_timeout = {setting}")
-
-
-async def _respond(
-    send: Send, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes
-) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": list(headers)})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
