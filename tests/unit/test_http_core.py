@@ -4,11 +4,14 @@ stored response and its header filter, problem bodies."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from idemq import AsyncSqlStore, SqlStore
 from idemq.errors import ConfigurationError, InvalidMessageError, InvalidMessageIdError
 from idemq.guard.core import MAX_MESSAGE_ID_CHARS, validate_message_id
+from idemq.integrations.asgi import IdempotencyKeyMiddleware
 from idemq.integrations.http import (
     DEFAULT_STORED_STATUSES,
     MAX_KEY_CHARS,
@@ -190,3 +193,26 @@ def test_problem_bodies_follow_rfc_9457(problem: Problem, status: int) -> None:
     assert headers[b"content-length"] == str(len(body)).encode()
     typed = json.loads(problem.body("https://api.example/problems/"))
     assert typed["type"] == "https://api.example/problems/" + problem.code
+
+
+# -- the middleware's settings ----------------------------------------------------------------
+
+
+def test_middleware_settings_are_checked(tmp_path: Path) -> None:
+    async def app(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("not called")
+
+    sync_store = SqlStore(f"sqlite:///{tmp_path / 's.db'}")
+    with pytest.raises(ConfigurationError, match="async store"):
+        IdempotencyKeyMiddleware(app, store=sync_store)  # type: ignore[arg-type]
+    sync_store.close()
+    store = AsyncSqlStore(f"sqlite:///{tmp_path / 'a.db'}")
+    for bad in ({"max_key_chars": 96}, {"max_key_chars": 0}, {"wait_s": -1}):
+        with pytest.raises(ConfigurationError):
+            IdempotencyKeyMiddleware(app, store=store, **bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="100-499"):
+        IdempotencyKeyMiddleware(app, store=store, stored_statuses=[503])
+    transactional = IdempotencyKeyMiddleware(app, store=store)
+    assert transactional.owns_transaction
+    assert not IdempotencyKeyMiddleware(app, store=store, wait_s=None).owns_transaction
+    assert not IdempotencyKeyMiddleware(app, store=store, mode="lease").owns_transaction

@@ -23,6 +23,7 @@ The rules themselves (key syntax, scoping, fingerprint, header filter, problem b
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -144,13 +145,16 @@ class IdempotencyKeyMiddleware:
         clock: Clock | None = None,
         observer: Observer | None = None,
     ) -> None:
-        if not isinstance(store, AsyncStore):
+        # A protocol check only compares method names, and the sync stores have the same ones.
+        if not isinstance(store, AsyncStore) or not inspect.iscoroutinefunction(store.claim):
             raise ConfigurationError(
                 f"IdempotencyKeyMiddleware needs an async store (AsyncSqlStore, "
                 f"AsyncRedisStore), got {type(store).__name__}"
             )
         if not 0 < max_key_chars <= MAX_KEY_CHARS:
             raise ConfigurationError(f"max_key_chars must be 1-{MAX_KEY_CHARS}")
+        if wait_s is not None and not wait_s >= 0:
+            raise ConfigurationError(f"wait_s must be >= 0 or None, got {wait_s!r}")
         if max_request_bytes <= 0 or max_response_bytes <= 0:
             raise ConfigurationError("max_request_bytes and max_response_bytes must be positive")
         self.app = app
@@ -175,7 +179,7 @@ class IdempotencyKeyMiddleware:
         # Transactional with a bounded wait: the middleware opens the transaction (PostgreSQL:
         # and bounds the claim's lock wait, SET LOCAL lock_timeout) and the guard joins it, so
         # a lock wait that ran out is this request's 409, not a transaction the guard reruns.
-        self.owns_transaction = transactional and wait_s is not None
+        self.owns_transaction = self.guard.mode is Mode.TRANSACTIONAL and wait_s is not None
         self.lock_wait_ms = round((wait_s or 0) * 1000)
         self.stored_statuses = _stored_statuses(stored_statuses)
         self.max_key_chars = max_key_chars
