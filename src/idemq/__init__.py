@@ -31,6 +31,7 @@ from idemq.errors import (
     StoreConflictError,
     StoreError,
     StoreUnavailableError,
+    TransactionLostError,
     UnknownEventError,
 )
 from idemq.guard import AsyncIdempotency, Idempotency, Mode, Outcome, Status
@@ -90,6 +91,7 @@ __all__ = [
     "StoreError",
     "StoreStats",
     "StoreUnavailableError",
+    "TransactionLostError",
     "Transition",
     "TransitionResult",
     "UnknownEventError",

@@ -6,7 +6,8 @@ Transactional mode — the shell opens the transaction and runs the flow inside 
     ClaimIn        INSERT the dedup row as PROCESSED; a concurrent twin waits on its row lock
     (judge)        an existing row → DUPLICATE (result replayed) or IN_PROGRESS, nothing written
     RunHandler     handler(tx): the business writes, through the same connection
-    SaveResultIn   only for a result other than None (the row was written with ``null``)
+    ConfirmIn      prove the transaction still holds the dedup row (and store the result):
+                   a handler that caught a database error may have lost it (see ConfirmIn)
     —              the shell commits: dedup row and effect become visible together, or neither
 
 Lease mode (any store)::
@@ -49,6 +50,8 @@ __all__ = [
     "ClaimManyIn",
     "CloseSavepoint",
     "Complete",
+    "ConfirmIn",
+    "ConfirmManyIn",
     "ConflictRetries",
     "Flow",
     "HandlerFailureIn",
@@ -58,7 +61,6 @@ __all__ = [
     "Release",
     "ReleaseIn",
     "RunHandler",
-    "SaveResultIn",
     "Step",
     "StoreStep",
     "message_flow",
@@ -143,14 +145,37 @@ class ClaimManyIn(StoreStep):
 
 
 @dataclass(frozen=True, slots=True)
-class SaveResultIn(StoreStep):
-    """Transactional: store the handler's result on its dedup row, inside ``tx``."""
+class ConfirmIn(StoreStep):
+    """Transactional: right before the COMMIT, prove that ``tx`` still holds the dedup row
+    ``owner`` claimed, storing ``result`` on it; raises :class:`~idemq.TransactionLostError`
+    when it does not.
+
+    Without it, a handler that caught a database error would be answered PROCESSED and its
+    message acknowledged while nothing of it commits: PostgreSQL aborts the transaction at the
+    failed statement and its COMMIT silently rolls back (effect and dedup row lost); InnoDB
+    rolls a deadlocked transaction back and the handler's later statements commit in a new one
+    without the dedup row (the redelivery applies the effect again). ``deferred``: a batch's
+    :class:`ConfirmManyIn` proves the row later, so only a free check is made now.
+    """
 
     key: Key
+    owner: str
     result: str
+    deferred: bool = False
 
     def call(self, store: Any, tx: Any) -> Any:
-        return store.save_result_in(tx, self.key, self.result)
+        return store.confirm_in(tx, self.key, self.owner, self.result, deferred=self.deferred)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfirmManyIn(StoreStep):
+    """Transactional batch: :class:`ConfirmIn` for every PROCESSED message of the pass at once
+    (one read, or none where the driver's transaction status is proof)."""
+
+    requests: Sequence[ClaimRequest]
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.confirm_many_in(tx, self.requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,10 +349,10 @@ def message_flow(
         else:
             yield from release_noting_failure(request, run.error)
         raise run.error
-    if not transactional:
+    if transactional:
+        yield ConfirmIn(request.key, request.owner, run.encoded)
+    else:
         yield Complete(request.key, request.owner, run.encoded, policy.clock())
-    elif run.encoded != NULL_RESULT:
-        yield SaveResultIn(request.key, run.encoded)
     return Outcome.processed(request.key.message_id, run.result)
 
 

@@ -133,8 +133,11 @@ def test_an_optimistic_pass_runs_handlers_without_savepoints():
         [Claim.won(), Claim.won()],
         {"a": (True, {"r": 1}), "b": (True, None)},
     )
-    # b returned None: its row already holds null, so nothing is saved for it.
-    assert trail == ["ClaimManyIn", "RunHandler", "SaveResultIn", "RunHandler"]
+    # Each row is confirmed as its handler returns (the store makes only free checks then),
+    # and the batch's rows all at once before the commit.
+    assert trail == [
+        "ClaimManyIn", "RunHandler", "ConfirmIn", "RunHandler", "ConfirmIn", "ConfirmManyIn"
+    ]  # fmt: skip
 
 
 def test_an_isolated_pass_undoes_a_failed_message_and_keeps_the_others():
@@ -146,7 +149,8 @@ def test_an_isolated_pass_undoes_a_failed_message_and_keeps_the_others():
     assert trail == [
         "ClaimManyIn",
         "OpenSavepoint", "RunHandler", "HandlerFailureIn", "CloseSavepoint", "ReleaseIn",
-        "OpenSavepoint", "RunHandler", "CloseSavepoint",
+        "OpenSavepoint", "RunHandler", "ConfirmIn", "CloseSavepoint",
+        "ConfirmManyIn",
     ]  # fmt: skip
     assert [o.status for o in outcomes] == [Status.FAILED, Status.PROCESSED]
 

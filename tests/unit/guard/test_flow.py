@@ -54,15 +54,17 @@ def test_lease_mode_claims_runs_and_completes():
     assert (outcome.status, outcome.result) == (Status.PROCESSED, {"n": 1})
 
 
-def test_transactional_mode_saves_a_result_in_the_transaction():
+def test_transactional_mode_confirms_the_row_with_its_result_before_the_commit():
     trail, outcome = run(flow_of("transactional"), Claim.won(), (True, 0))
-    assert trail == ["ClaimIn", "RunHandler", "SaveResultIn"]  # 0 is not None: it is saved
+    assert trail == ["ClaimIn", "RunHandler", "ConfirmIn"]
     assert outcome.result == 0
 
 
-def test_a_none_result_needs_no_second_statement():
+def test_a_none_result_is_confirmed_too():
+    # The row already holds null, but only the confirmation proves the transaction still holds
+    # the row: a handler may have caught an error that aborted or rolled it back.
     trail, _ = run(flow_of("transactional"), Claim.won(), (True, None))
-    assert trail == ["ClaimIn", "RunHandler"]
+    assert trail == ["ClaimIn", "RunHandler", "ConfirmIn"]
 
 
 @pytest.mark.parametrize("mode", ["lease", "transactional"])

@@ -24,8 +24,10 @@ from idemq._clock import system_clock_ms
 from idemq.drivers.sql import (
     Plan,
     begin,
+    driver_reports_aborts,
     engine_from_url,
     run,
+    transaction_lost_reason,
     translate_db_error,
     translated,
 )
@@ -34,10 +36,12 @@ from idemq.errors import (
     StoreConflictError,
     StoreError,
     StoreUnavailableError,
+    TransactionLostError,
 )
 from idemq.stores.base import (
     DEFAULT_CONSUMER,
     LEASE_CLOCKS,
+    STORED_NONE,
     Claim,
     ClaimRequest,
     ForgetResult,
@@ -167,6 +171,44 @@ class SqlStoreBase:
             return None
         lost = translate_db_error(error, f"a handler's statement on {self.where}")
         return lost if isinstance(lost, StoreConflictError | StoreUnavailableError) else None
+
+    def _confirm_plan(
+        self, driver_connection: Any, key: Key, owner: str, result: str, *, deferred: bool
+    ) -> Primitive[None] | None:
+        """The first half of ``confirm_in``: raise :class:`~idemq.TransactionLostError` if the
+        driver already says the transaction is gone (``driver_connection``: psycopg's, else
+        None), then the statement still needed, if any.
+
+        On psycopg the status is complete: every failed statement aborts a PostgreSQL
+        transaction, so one still INTRANS holds every row it wrote, and only a result other
+        than None needs its UPDATE. Elsewhere (InnoDB rolls a transaction back on a deadlock
+        and the next statement starts a new one; SQLite) only a statement that finds the row
+        proves it, unless a batch's single read does so later (``deferred``).
+        """
+        if driver_connection is not None:
+            reason = transaction_lost_reason(driver_connection)
+            if reason is not None:
+                raise TransactionLostError(
+                    f"the transaction of {key.message_id!r} ({key.consumer}) on {self.where} is "
+                    f"lost: {reason}; nothing is committed, the message runs again"
+                )
+            if result == STORED_NONE:
+                return None
+        elif deferred and result == STORED_NONE:
+            return None
+        return lambda plans: plans.confirm(key, owner, result)
+
+    def _must_read_rows(self, driver_connection: Any, requests: Sequence[ClaimRequest]) -> bool:
+        """``confirm_many_in``: True when a read must prove the rows (no psycopg status)."""
+        if driver_connection is None:
+            return True
+        reason = transaction_lost_reason(driver_connection)
+        if reason is not None:
+            raise TransactionLostError(
+                f"the transaction of a batch of {len(requests)} on {self.where} is lost: "
+                f"{reason}; nothing is committed, the batch runs again"
+            )
+        return False
 
     @staticmethod
     def _cutoff_ms(older_than: timedelta, now_ms: int | None) -> int:
@@ -313,9 +355,29 @@ class SqlStore(SqlStoreBase):
             tx, "claim_many", lambda plans: plans.claim_many(requests, True)
         )
 
-    def save_result_in(self, tx: Connection, key: Key, result: str) -> None:
-        """Store the handler's result on the record claimed in ``tx``."""
-        self._in_transaction(tx, "save_result", lambda plans: plans.save_result(key, result))
+    def confirm_in(
+        self, tx: Connection, key: Key, owner: str, result: str, *, deferred: bool = False
+    ) -> None:
+        """See :meth:`idemq.stores.base.TransactionalStore.confirm_in`."""
+        primitive = self._confirm_plan(
+            self._driver_connection(tx), key, owner, result, deferred=deferred
+        )
+        if primitive is not None:
+            self._in_transaction(tx, "confirm", primitive)
+
+    def confirm_many_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> None:
+        """See :meth:`idemq.stores.base.TransactionalStore.confirm_many_in`."""
+        if requests and self._must_read_rows(self._driver_connection(tx), requests):
+            keys = [r.key for r in requests]
+            owners = [r.owner for r in requests]
+            self._in_transaction(tx, "confirm", lambda plans: plans.confirm_many(keys, owners))
+
+    def _driver_connection(self, tx: Connection) -> Any:
+        """psycopg's connection under ``tx`` when it reports aborted transactions, else None."""
+        if not driver_reports_aborts(tx.dialect):
+            return None
+        with translated(f"confirm on {self.where}"):
+            return tx.connection.driver_connection
 
     def release_in(self, tx: Connection, key: Key, owner: str) -> None:
         """Undo a batch claim of ``owner`` inside ``tx``."""
