@@ -142,3 +142,49 @@ def test_a_handler_that_catches_a_deadlock_and_writes_again_applies_the_effect_o
     assert effects == 1
     # The lost transaction was rolled back and run again by idemq (it owns it): two runs.
     assert runs == ["run", "deadlock caught", "run"]
+
+
+def test_a_twins_committed_row_is_never_taken_for_the_lost_one(store, tables):
+    # After the deadlock rolled the handler's transaction back, a twin delivery claims the
+    # message, applies it and commits. The handler goes on in a new transaction: the dedup row
+    # it now finds is the twin's (another owner), which must not pass for its own.
+    ledger, locks, filler = tables
+    guard = idemq.Idempotency(store, consumer="orders")
+    runs: list[str] = []
+    rival = Rival(store.engine, locks, filler)
+
+    def twin(tx: sa.Connection) -> str:
+        tx.execute(ledger.insert().values(message_id="M1"))
+        return "twin"
+
+    def handle(tx: sa.Connection) -> str:
+        runs.append("run")
+        tx.execute(rival.bump("a"))
+        rival.thread.start()
+        assert rival.holds_b.wait(DEADLINE_S)
+        assert rival.thread_id is not None
+        wait_until_blocked(store.engine, rival.thread_id)
+        try:
+            tx.execute(rival.bump("b"))
+        except OperationalError as exc:
+            if exc.orig is None or exc.orig.args[0] != DEADLOCK:
+                raise
+            runs.append("deadlock caught")
+        outcomes: list[Any] = []
+        other = threading.Thread(target=lambda: outcomes.append(guard.process("M1", twin)))
+        other.start()
+        other.join(DEADLINE_S)
+        runs.append(outcomes[0].status.value)
+        tx.execute(ledger.insert().values(message_id="M1"))
+        return "first"
+
+    first = guard.process("M1", handle)
+    rival.thread.join(DEADLINE_S)
+    with store.engine.connect() as conn:
+        effects = conn.execute(sa.select(sa.func.count()).select_from(ledger)).scalar_one()
+
+    assert runs == ["run", "deadlock caught", "processed"]
+    # The handler's transaction was found lost and rolled back; its rerun met the twin's row.
+    assert first.status is idemq.Status.DUPLICATE
+    assert first.result == "twin"
+    assert effects == 1
