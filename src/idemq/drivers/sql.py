@@ -61,6 +61,7 @@ __all__ = [
     "run",
     "sql_engine",
     "sync_url",
+    "transaction_aborted",
     "transaction_lost_reason",
     "translate_db_error",
     "translated",
@@ -221,6 +222,16 @@ def transaction_lost_reason(driver_connection: Any) -> str | None:
     if status == TransactionStatus.IDLE:
         return "it was ended (committed or rolled back) by a statement the handler ran"
     return f"its connection is {TransactionStatus(status).name}"
+
+
+def transaction_aborted(driver_connection: Any) -> bool:
+    """Whether psycopg's ``driver_connection`` is in a transaction a failed statement aborted
+    (``TransactionStatus.INERROR``; no round trip). Unlike :func:`transaction_lost_reason`, a
+    transaction that has not sent its first statement yet (IDLE: psycopg begins lazily) is
+    not aborted."""
+    from psycopg.pq import TransactionStatus  # noqa: PLC0415 -- psycopg is an optional extra
+
+    return bool(driver_connection.info.transaction_status == TransactionStatus.INERROR)
 
 
 @contextmanager
