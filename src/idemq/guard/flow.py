@@ -330,8 +330,17 @@ def message_flow(
     cached = None if cache is None else cache.get(request.key.message_id, request.now_ms)
     if cached is not None:
         claim = StoredClaim.lost_to(cached)
+    elif transactional:
+        claim = yield ClaimIn(request)  # a conflict reruns the transaction (ConflictRetries)
     else:
-        claim = yield ClaimIn(request) if transactional else Claim(request)
+        try:
+            claim = yield Claim(request)
+        except StoreConflictError:
+            # The store ran its claim again and again, and each time a concurrent transaction
+            # on the same record (a twin's claim, a takeover, a complete) rolled it back:
+            # nothing was written, and someone else is handling the message. Not acked, and
+            # not counted against it as a failure: it comes back later and meets that record.
+            return Outcome(Status.IN_PROGRESS, request.key.message_id)
     if probe is not None:
         probe.claimed(claim_status(claim))
     judged = judge(policy, request, claim)

@@ -154,3 +154,23 @@ def test_a_deadlock_in_the_callers_transaction_is_the_callers_to_retry():
     retries = ConflictRetries(owns_transaction=False)
     assert not retries.again(idemq.StoreConflictError("deadlock"))
     assert not ConflictRetries(owns_transaction=True).again(ValueError("not a conflict"))
+
+
+def test_a_lease_claim_that_keeps_conflicting_is_in_progress_not_an_error():
+    # The store reran its claim transaction until its attempts ran out, each rolled back by a
+    # concurrent one on the same record: nothing is written, the message is not acked, and it
+    # is not the handler's failure either.
+    flow = flow_of("lease")
+    assert isinstance(next(flow), steps.Claim)
+    with pytest.raises(StopIteration) as stop:
+        flow.throw(idemq.StoreConflictError("deadlock"))
+    outcome = stop.value.value
+    assert outcome.status is Status.IN_PROGRESS
+    assert not outcome.should_ack
+
+
+def test_a_transactional_claim_conflict_goes_to_the_retries():
+    flow = flow_of("transactional")
+    assert isinstance(next(flow), steps.ClaimIn)
+    with pytest.raises(idemq.StoreConflictError):
+        flow.throw(idemq.StoreConflictError("deadlock"))

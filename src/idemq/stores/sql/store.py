@@ -10,6 +10,8 @@ shared with the asyncio twin, :class:`~idemq.stores.sql.store_async.AsyncSqlStor
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -61,7 +63,14 @@ from idemq.stores.sql.schema import (
 )
 from idemq.stores.sql.versions import create_recorded, forget_version, plan_upgrade
 
-__all__ = ["DEFAULT_URL", "OWN_TRANSACTION_ATTEMPTS", "SqlStore", "SqlStoreBase", "schema_sql"]
+__all__ = [
+    "CONFLICT_PAUSE_S",
+    "DEFAULT_URL",
+    "OWN_TRANSACTION_ATTEMPTS",
+    "SqlStore",
+    "SqlStoreBase",
+    "schema_sql",
+]
 
 DEFAULT_URL = "sqlite:///idemq.db"
 
@@ -69,8 +78,12 @@ log = logging.getLogger("idemq.store")
 
 T = TypeVar("T")
 
-OWN_TRANSACTION_ATTEMPTS = 3
+OWN_TRANSACTION_ATTEMPTS = 6
 """How often a store's own transaction runs when the server keeps rolling it back (deadlocks)."""
+
+CONFLICT_PAUSE_S = 0.01
+"""The first window of the random pause before a store's own transaction runs again after a
+conflict; it doubles at each further conflict (see :meth:`SqlStoreBase.conflict_pause_s`)."""
 
 #: A primitive, given the store's plans: ``lambda plans: plans.get(key)``.
 Primitive = Callable[[SqlPlans], Plan[T]]
@@ -115,6 +128,7 @@ class SqlStoreBase:
         self.expires_after_ms = expiry_ms(expires_after_s)
         self._plans: SqlPlans | None = None
         self.where = f"{url.render_as_string(hide_password=True)} table {table}"
+        self._jitter = random.Random()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.where!r})"
@@ -171,6 +185,17 @@ class SqlStoreBase:
             return None
         lost = translate_db_error(error, f"a handler's statement on {self.where}")
         return lost if isinstance(lost, StoreConflictError | StoreUnavailableError) else None
+
+    def conflict_pause_s(self, conflicts: int) -> float:
+        """How long to wait before a store's own transaction runs again after its
+        ``conflicts``-th deadlock: a random share of a window that doubles each time.
+
+        Racers that deadlocked one another (lease claims of one message, on MySQL's portable
+        plan: each holds a shared lock from INSERT IGNORE and wants it exclusive for the
+        takeover or the expired record's delete) would otherwise run again in lock-step and
+        meet in the same deadlock, until one ran out of attempts.
+        """
+        return self._jitter.uniform(0, CONFLICT_PAUSE_S * 2 ** (conflicts - 1))
 
     def _confirm_plan(
         self, driver_connection: Any, key: Key, owner: str, result: str, *, deferred: bool
@@ -328,8 +353,8 @@ class SqlStore(SqlStoreBase):
 
     def _own_transaction(self, doing: str, primitive: Primitive[T]) -> T:
         """Run ``primitive`` in a short transaction of the store's own, and again (up to
-        :data:`OWN_TRANSACTION_ATTEMPTS` times) when it ends in a
-        :class:`~idemq.StoreConflictError`: the transaction was rolled back whole, so nothing
+        :data:`OWN_TRANSACTION_ATTEMPTS` times, after :meth:`conflict_pause_s`) when it ends in
+        a :class:`~idemq.StoreConflictError`: the transaction was rolled back whole, so nothing
         of it is left to redo. Two lease claims that both read a record under a shared lock and
         then change it (MySQL's portable plan, an expired record's delete) deadlock; the loser
         runs again and finds the winner's claim."""
@@ -341,6 +366,7 @@ class SqlStore(SqlStoreBase):
             except StoreConflictError:
                 if attempt >= OWN_TRANSACTION_ATTEMPTS:
                     raise
+                time.sleep(self.conflict_pause_s(attempt))
                 attempt += 1
 
     # -- transactional primitives ------------------------------------------------------------

@@ -6,6 +6,7 @@ The same plans (:mod:`idemq.stores.sql.dialects`), the same base, the same bound
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import timedelta
@@ -134,6 +135,7 @@ class AsyncSqlStore(SqlStoreBase):
             except StoreConflictError:
                 if attempt >= OWN_TRANSACTION_ATTEMPTS:
                     raise
+                await asyncio.sleep(self.conflict_pause_s(attempt))
                 attempt += 1
 
     async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
