@@ -188,3 +188,41 @@ def test_a_twins_committed_row_is_never_taken_for_the_lost_one(store, tables):
     assert first.status is idemq.Status.DUPLICATE
     assert first.result == "twin"
     assert effects == 1
+
+
+def test_a_batch_whose_last_handler_catches_a_deadlock_runs_again_whole(store, tables):
+    # The deadlock rolled back the whole batch transaction: message A's effect and both dedup
+    # rows. Before the fix B's later write committed alone and both were answered PROCESSED:
+    # A acked with no effect (lost), B without its dedup row (doubled on redelivery).
+    ledger, locks, filler = tables
+    guard = idemq.Idempotency(store, consumer="orders")
+    runs: list[str] = []
+    rival = Rival(store.engine, locks, filler)
+
+    def handle(msg: idemq.Message, tx: sa.Connection) -> None:
+        runs.append(msg.id)
+        if msg.id == "B" and runs.count("B") == 1:
+            tx.execute(rival.bump("a"))
+            rival.thread.start()
+            assert rival.holds_b.wait(DEADLINE_S)
+            assert rival.thread_id is not None
+            wait_until_blocked(store.engine, rival.thread_id)
+            try:
+                tx.execute(rival.bump("b"))
+            except OperationalError as exc:
+                if exc.orig is None or exc.orig.args[0] != DEADLOCK:
+                    raise
+                runs.append("deadlock caught")
+        tx.execute(ledger.insert().values(message_id=msg.id))
+
+    batch = [idemq.Message(id=m, body=b"{}") for m in ("A", "B")]
+    outcomes = guard.process_batch(batch, handle)
+    rival.thread.join(DEADLINE_S)
+    redelivered = guard.process_batch(batch, handle)
+    with store.engine.connect() as conn:
+        effects = sorted(conn.execute(sa.select(ledger.c.message_id)).scalars())
+
+    assert runs == ["A", "B", "deadlock caught", "A", "B"]
+    assert [o.status for o in outcomes] == [idemq.Status.PROCESSED] * 2
+    assert [o.status for o in redelivered] == [idemq.Status.DUPLICATE] * 2
+    assert effects == ["A", "B"]
