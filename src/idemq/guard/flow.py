@@ -385,7 +385,10 @@ def _wait_for_holder(
         yield Pause(min(delay_s, left_s))
         delay_s = min(delay_s * 2, _LONGEST_WAIT_S)
         request = dataclasses.replace(request, now_ms=policy.clock())
-        claim = yield Claim(request)
+        try:
+            claim = yield Claim(request)
+        except StoreConflictError:
+            continue  # the holder's record is busy (see message_flow): still in progress
         current = judge(policy, request, claim)
     return current, request, claim
 

@@ -174,3 +174,21 @@ def test_a_transactional_claim_conflict_goes_to_the_retries():
     assert isinstance(next(flow), steps.ClaimIn)
     with pytest.raises(idemq.StoreConflictError):
         flow.throw(idemq.StoreConflictError("deadlock"))
+
+
+def test_a_waiting_duplicate_whose_claim_conflicts_keeps_waiting():
+    now = [1_000]
+    policy = Policy.build(
+        consumer="c", mode="lease", lease_s=30.0, clock=lambda: now[0], wait_s=1.0
+    )
+    flow = message_flow(policy, policy.request("m1"), None)
+    assert isinstance(next(flow), steps.Claim)
+    held = Record("c", "m1", RecordStatus.PROCESSING, owner="other", lease_until_ms=60_000)
+    assert isinstance(flow.send(Claim.lost_to(held)), steps.Pause)
+    assert isinstance(flow.send(None), steps.Claim)
+    assert isinstance(flow.throw(idemq.StoreConflictError("deadlock")), steps.Pause)
+    assert isinstance(flow.send(None), steps.Claim)
+    done = Record("c", "m1", RecordStatus.PROCESSED, result='"r"')
+    with pytest.raises(StopIteration) as stop:
+        flow.send(Claim.lost_to(done))
+    assert (stop.value.value.status, stop.value.value.result) == (Status.DUPLICATE, "r")
