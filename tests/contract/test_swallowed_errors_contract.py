@@ -243,3 +243,49 @@ async def test_async_a_swallowed_error_is_processed_only_if_its_row_commits(asyn
         assert outcome.status is idemq.Status.PROCESSED
         assert rows == ["M1"]
         assert record is not None
+
+
+def test_sqlite_rolling_a_transaction_back_by_itself_never_commits_the_rest(tmp_path):
+    # SQLite rolls the whole transaction back on a conflict clause ``OR ROLLBACK`` (and a few
+    # errors: a full disk, RAISE(ROLLBACK) in a trigger). With the driver's own transaction
+    # handling off, the handler's later statements would each commit on their own: effects
+    # without a dedup row, applied again by every retry. They are refused instead.
+    store = idemq.SqlStore(f"sqlite:///{tmp_path / 'rollback.db'}", table=unique("mi"))
+    store.create_schema()
+    metadata = sa.MetaData()
+    ledger = sa.Table(unique("ledger"), metadata, sa.Column("message_id", sa.String(128)))
+    refs = sa.Table(unique("refs"), metadata, sa.Column("ref", sa.String(32), primary_key=True))
+    metadata.create_all(store.engine)
+    with store.engine.begin() as conn:
+        conn.execute(refs.insert().values(ref="ref-1"))
+    guard = idemq.Idempotency(store, consumer="orders")
+    runs: list[int] = []
+
+    def handle(tx: sa.Connection) -> None:
+        runs.append(1)
+        try:  # noqa: SIM105 -- written as users write it
+            tx.exec_driver_sql(f"INSERT OR ROLLBACK INTO {refs.name} VALUES ('ref-1')")
+        except IntegrityError:
+            pass
+        tx.execute(ledger.insert().values(message_id="M1"))
+
+    try:
+        with pytest.raises(idemq.TransactionLostError):
+            guard.process("M1", handle)
+        assert len(runs) == idemq.guard.core.CLAIM_ATTEMPTS
+        with store.engine.connect() as conn:
+            assert conn.execute(sa.select(sa.func.count()).select_from(ledger)).scalar() == 0
+        assert store.get("M1", "orders") is None
+
+        # The connection is usable again for the next message.
+        def pay(tx: sa.Connection) -> None:
+            tx.execute(ledger.insert().values(message_id="M2"))
+
+        fine = guard.process("M2", pay)
+        assert fine.status is idemq.Status.PROCESSED
+        with store.engine.connect() as conn:
+            assert list(conn.execute(sa.select(ledger.c.message_id)).scalars()) == ["M2"]
+    finally:
+        metadata.drop_all(store.engine)
+        store.drop_schema()
+        store.close()

@@ -40,7 +40,13 @@ from sqlalchemy.sql import Executable
 from idemq._plan import adrive, drive
 from idemq.drivers.extras import SQL_DRIVER_EXTRAS, missing_extra
 from idemq.drivers.urls import mask_url
-from idemq.errors import ConfigurationError, StoreConflictError, StoreError, StoreUnavailableError
+from idemq.errors import (
+    ConfigurationError,
+    StoreConflictError,
+    StoreError,
+    StoreUnavailableError,
+    TransactionLostError,
+)
 
 __all__ = [
     "ENGINE_DEFAULTS",
@@ -388,6 +394,26 @@ def prepare_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _still_in_transaction(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
+        # SQLite rolls a whole transaction back by itself on some errors (a conflict clause
+        # OR ROLLBACK, RAISE(ROLLBACK) in a trigger, a full disk). With the driver's own
+        # transaction handling off, every later statement would then commit on its own, out
+        # of reach of the ROLLBACK that follows: a handler that caught the error would commit
+        # its later writes without the dedup row, and run them again on the retry. So a
+        # statement is refused while SQLAlchemy's transaction is open but SQLite's is gone.
+        driver = conn.connection.driver_connection
+        if (
+            conn.in_transaction()
+            and driver is not None
+            and not driver.in_transaction
+            and not statement.startswith("BEGIN")
+        ):
+            raise TransactionLostError(
+                "SQLite rolled this transaction back by itself (an error inside it): no "
+                "statement runs outside it; nothing of it is committed"
+            )
 
 
 def discard_inherited_connections(engine: Engine) -> None:
