@@ -8,17 +8,18 @@
  *   src/idemq/guard/batch_flow.py  batch_flow, _handle_in_transaction, BatchPasses.again
  *   src/idemq/guard/batch_flow.py  HandlerFailedError: the optimistic pass's end
  *   src/idemq/guard/flow.py  run_handler, raise_if_transaction_lost, HandlerFailureIn
- *   src/idemq/guard/flow.py  SaveResultIn, ConfirmIn, ConflictRetries.again, message_flow
+ *   src/idemq/guard/flow.py  ConfirmIn, ConfirmManyIn, ConflictRetries.again, message_flow
  *   src/idemq/stores/sql/store.py  SqlStore.transaction, SqlStore.claim_many_in, SqlStore.confirm_in
- *   src/idemq/stores/sql/store.py  SqlStore.save_result_in, SqlStore.release_in
+ *   src/idemq/stores/sql/store.py  SqlStore.confirm_many_in, SqlStore.release_in
  *   src/idemq/stores/sql/store.py  SqlStore.begin_savepoint, SqlStore.end_savepoint
  *   src/idemq/stores/sql/store.py  SqlStoreBase.transaction_lost_by, SqlStore._in_transaction
- *   src/idemq/stores/sql/plans.py  SqlPlans.claim_many, SqlPlans.save_result, SqlPlans.release_in
+ *   src/idemq/stores/sql/plans.py  SqlPlans.claim_many, SqlPlans.confirm, SqlPlans.confirm_many, SqlPlans.release_in
  *   src/idemq/errors.py  TransactionLostError, StoreConflictError
  *
  * A pass (one transaction): BEGIN; ClaimManyIn (every dedup row, written PROCESSED); per new
- * message [OpenSavepoint: isolated pass only], the handler, SaveResultIn only for a result other
- * than None, [CloseSavepoint; ReleaseIn when it raised]; ConfirmIn; COMMIT. The optimistic pass
+ * message [OpenSavepoint: isolated pass only], the handler, its result written (ConfirmIn with
+ * deferred=True: an UPDATE only for a result other than None, the proof left to the end),
+ * [CloseSavepoint; ReleaseIn when it raised]; ConfirmManyIn; COMMIT. The optimistic pass
  * has no savepoints: its first raising handler rolls it back and the rerun is isolated (that
  * message FAILED, not run again). A handler's driver error that means the transaction is gone
  * (a deadlock) and any store error fail the whole pass: ROLLBACK, run again, given up after
@@ -34,8 +35,8 @@
  * Handlers. Each handler writes its effect with one statement; it may raise an error of its own
  * (MAX_RAISE), and it may swallow the error of its statement (MAX_SWALLOW: `try: ... except
  * DBAPIError: pass` without a savepoint of its own) and then return, or write once more (on
- * MariaDB, into the new implicit transaction). Its result is None or not: SaveResultIn runs only
- * for the latter, and it is an UPDATE that matches no row without failing.
+ * MariaDB, into the new implicit transaction). Its result is None or not: the result is written
+ * only for the latter, by an UPDATE that matches no row without failing.
  *
  * The design (ConfirmIn, issue 30): before COMMIT, prove the transaction still holds the pass's
  * dedup rows; else ROLLBACK and raise TransactionLostError (the pass runs again or the message is
