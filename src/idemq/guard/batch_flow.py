@@ -7,6 +7,7 @@ a single message (:mod:`idemq.guard.flow`)::
     ClaimManyIn / ClaimMany          every request of the pass, one round trip
     per new message:
       [OpenSavepoint]                 isolated pass only
+      [Renew]                         lease mode: is its claim still ours? (lost: IN_PROGRESS)
       RunHandler                      handler(msg, tx)
       SaveResultIn | Complete         the result (a lease is completed, a row updated)
       [CloseSavepoint, ReleaseIn]     isolated pass only: its writes, then its claim, undone on
@@ -19,6 +20,13 @@ message in its own savepoint, the one that raised marked FAILED without running 
 error in any step fails the whole pass, never one message: after it the transaction may be gone
 (a deadlock rolls it back whole), and carrying on would report PROCESSED for effects that never
 committed. In lease mode every message is isolated anyway: its claim is its own record.
+
+A lease-mode batch holds every claim from the start, while its handlers run one after another,
+so it may well outlast ``lease_s``: while each handler runs, the claims of the messages after it
+are renewed too (:attr:`RunHandler.held`), and right before a message's handler starts its claim
+is renewed on the store once more (:class:`Renew`) — the proof that no rival took it over and
+completed it meanwhile, which would make this run a second effect. A claim found lost is that
+message's IN_PROGRESS (not acked; its redelivery meets the rival's record), never a run.
 """
 
 from __future__ import annotations
@@ -39,12 +47,14 @@ from idemq.guard.flow import (
     HandlerRun,
     OpenSavepoint,
     ReleaseIn,
+    Renew,
     SaveResultIn,
     Step,
     raise_if_transaction_lost,
     release_noting_failure,
     run_handler,
 )
+from idemq.guard.renewal import LeaseTerms
 from idemq.stores.base import Claim, ClaimRequest
 
 __all__ = [
@@ -174,7 +184,12 @@ def batch_flow(
         if transactional:
             run = yield from _handle_in_transaction(policy, request, messages[i], isolated)
         else:
-            run = yield from _handle_leased(policy, request, messages[i], claim.fence)
+            held = _held_after(policy, to_claim, claims, i)
+            leased = yield from _handle_leased(policy, request, messages[i], claim.fence, held)
+            if isinstance(leased, Outcome):  # its claim was lost before its handler started
+                outcomes.append(leased)
+                continue
+            run = leased
         if run.error is None:
             outcomes.append(Outcome.processed(message_id, run.result))
         elif not isinstance(run.error, Exception):
@@ -204,10 +219,35 @@ def _handle_in_transaction(
     return run
 
 
+def _held_after(
+    policy: Policy, requests: Sequence[ClaimRequest], claims: Sequence[Claim], index: int
+) -> tuple[LeaseTerms, ...]:
+    """The claims a lease-mode batch still holds for the messages after ``index``: renewed
+    while ``index``'s handler runs (none when the guard does not renew)."""
+    if not policy.renews:
+        return ()
+    return tuple(
+        LeaseTerms(request.key, request.owner, policy.lease_ms)
+        for request, claim in zip(requests[index + 1 :], claims[index + 1 :], strict=True)
+        if claim.acquired
+    )
+
+
 def _handle_leased(
-    policy: Policy, request: ClaimRequest, message: Any, fence: int | None
-) -> Generator[Step, Any, HandlerRun]:
-    run = yield from run_handler(policy, request, message, None, fence)
+    policy: Policy,
+    request: ClaimRequest,
+    message: Any,
+    fence: int | None,
+    held: tuple[LeaseTerms, ...],
+) -> Generator[Step, Any, HandlerRun | Outcome[Any]]:
+    """One new message of a lease-mode batch: its claim re-checked, its handler, its complete;
+    an IN_PROGRESS outcome when the claim was lost before the handler could start."""
+    key = request.key
+    if not (yield Renew(key, request.owner, policy.lease_ms, policy.clock())):
+        # A rival took the claim over while earlier handlers ran (and may have completed it):
+        # running the handler now would be a second effect.
+        return Outcome(Status.IN_PROGRESS, key.message_id)
+    run = yield from run_handler(policy, request, message, None, fence, held=held)
     if run.error is not None:
         yield from release_noting_failure(request, run.error)
         return run
