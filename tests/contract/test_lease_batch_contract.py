@@ -12,6 +12,7 @@ the later messages the whole time.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -184,3 +185,41 @@ def test_a_later_message_taken_over_while_unrenewed_is_not_run_by_the_batch(leas
     assert outcomes[0].status is idemq.Status.PROCESSED
     for outcome in outcomes[1:]:
         assert outcome.status in (idemq.Status.IN_PROGRESS, idemq.Status.DUPLICATE)
+
+
+def test_an_async_batch_longer_than_its_lease_keeps_every_claim_it_holds(tmp_path):
+    # The asyncio guard holds the later claims with a task each (AsyncHolding).
+    store = make_store("redis", tmp_path)
+    fx = Effects(store)
+    consumer = unique("c")
+    batch = messages(3)
+    rival = idemq.Idempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+    runs: Counter[str] = Counter()
+
+    async def main(racing: Rival) -> list[idemq.Outcome[Any]]:
+        async_store = idemq.AsyncRedisStore(REDIS_URL, prefix=store.prefix)
+        worker = idemq.AsyncIdempotency(
+            async_store, consumer=consumer, mode="lease", lease_s=LEASE_S
+        )
+
+        async def handle(msg: idemq.Message, _tx: Any) -> str:
+            runs[msg.id] += 1
+            racing.start()
+            await asyncio.sleep(HANDLER_S)
+            fx.apply(msg.id)
+            return msg.id
+
+        try:
+            return await worker.process_batch(batch, handle)
+        finally:
+            await async_store.close()
+
+    try:
+        with Rival(rival, fx, [m.id for m in batch[1:]]) as racing:
+            outcomes = asyncio.run(main(racing))
+        assert fx.counts() == Counter({m.id: 1 for m in batch})  # each effect exactly once
+        assert runs == Counter({m.id: 1 for m in batch})
+        assert [o.status for o in outcomes] == [idemq.Status.PROCESSED] * 3
+    finally:
+        fx.drop()
+        dispose(store)

@@ -49,7 +49,14 @@ from idemq.errors import StoreError
 from idemq.guard.context import HandlerContext
 from idemq.stores.base import Key
 
-__all__ = ["MAX_RENEWALS_IN_FLIGHT", "Holding", "LeaseKeeper", "LeaseTerms", "keep_async"]
+__all__ = [
+    "MAX_RENEWALS_IN_FLIGHT",
+    "AsyncHolding",
+    "Holding",
+    "LeaseKeeper",
+    "LeaseTerms",
+    "keep_async",
+]
 
 log = logging.getLogger("idemq.guard")
 
@@ -312,3 +319,43 @@ async def keep_async(
             held = None
         _answered(kept, held, now)
     handler.cancel()
+
+
+class AsyncHolding:
+    """:class:`Holding` for an async guard: a task per held claim, renewing it every
+    ``interval_s`` until its handler's turn comes (or the batch ends: :meth:`close`)."""
+
+    def __init__(self, renew: Callable[[Key, str, int, int], Any], clock: Clock) -> None:
+        self._renew = renew
+        self._clock = clock
+        self._tasks: dict[tuple[Key, str], asyncio.Task[None]] = {}
+
+    def keep(self, terms: Iterable[LeaseTerms]) -> None:
+        """See :meth:`Holding.keep`."""
+        wanted = {(t.key, t.owner): t for t in terms}
+        for ident in [ident for ident in self._tasks if ident not in wanted]:
+            self._tasks.pop(ident).cancel()
+        for ident, one in wanted.items():
+            if ident not in self._tasks:
+                self._tasks[ident] = asyncio.create_task(self._hold(one))
+
+    def close(self) -> None:
+        """Stop renewing every held claim."""
+        self.keep(())
+
+    async def _hold(self, terms: LeaseTerms) -> None:
+        # No handler to tell: the batch renews this claim once more before its handler starts
+        # (batch_flow's Renew step), and that answer alone decides whether it runs.
+        while True:
+            await asyncio.sleep(terms.interval_s)
+            now_ms = self._clock()
+            try:
+                held = await asyncio.wait_for(
+                    self._renew(terms.key, terms.owner, now_ms + terms.lease_ms, now_ms),
+                    terms.lost_after_s,
+                )
+            except (TimeoutError, StoreError) as exc:
+                log.warning("idemq lease renewal of %s failed: %r", terms.key.message_id, exc)
+                continue
+            if not held:
+                return
