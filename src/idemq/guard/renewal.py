@@ -216,6 +216,7 @@ class LeaseKeeper:
         due: list[_Kept] = []
         for kept in self._kept:
             _overdue(kept, now)
+        for kept in self._kept:
             if kept.gone or kept.renewing or kept.next_at > now:
                 continue
             if self._in_flight >= self.max_in_flight:
