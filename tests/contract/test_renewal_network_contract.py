@@ -10,6 +10,7 @@ partition was noticed only after Redis's socket timeout, never on PostgreSQL.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -172,3 +173,64 @@ def test_a_lease_is_reported_lost_within_one_lease_when_packets_vanish(redis_or_
     lost, after_s = heard[0]
     assert lost
     assert after_s < LEASE_S  # within one lease of the last confirmed renewal
+
+
+@pytest.mark.parametrize("kind", ["redis", "postgres"])
+def test_an_async_handler_is_cancelled_within_one_lease_when_packets_vanish(kind: str):
+    # AsyncIdempotency renews from a task per handler; a renewal that never answers must not
+    # hold the verdict back: it is given until the claim would count as lost, no longer.
+    if kind == "redis":
+        require_service("redis")
+        upstream = urlsplit(REDIS_URL)
+        proxy = SilentProxy((upstream.hostname or "127.0.0.1", upstream.port or 6379))
+    else:
+        require_service("postgres")
+        url = make_url(PG_URL)
+        proxy = SilentProxy((url.host or "127.0.0.1", url.port or 5432))
+    cancelled_after_s: list[float] = []
+
+    async def open_store() -> Any:
+        if kind == "redis":
+            return idemq.AsyncRedisStore(
+                f"redis://127.0.0.1:{proxy.port}/0",
+                prefix=unique("idemqtest"),
+                lease_clock="client",
+            )
+        store = idemq.AsyncSqlStore(
+            make_url(PG_URL).set(port=proxy.port), table=unique("mi"), lease_clock="client"
+        )
+        await store.create_schema()
+        return store
+
+    async def main() -> None:
+        store = await open_store()
+        guard = idemq.AsyncIdempotency(store, consumer=unique("c"), mode="lease", lease_s=LEASE_S)
+
+        async def handler(_tx: Any) -> None:
+            proxy.silence_all()  # every packet to the store vanishes from now on
+            began = time.monotonic()
+            try:
+                await asyncio.sleep(3 * LEASE_S)
+            except asyncio.CancelledError:
+                cancelled_after_s.append(time.monotonic() - began)
+                raise
+            finally:
+                proxy.heal()
+
+        try:
+            with pytest.raises(idemq.LeaseLostError):
+                await guard.process("M1", handler)
+        finally:
+            proxy.heal()
+            if isinstance(store, idemq.AsyncSqlStore):
+                await store.drop_schema()
+            else:
+                redis_cleanup(store.prefix)
+            await store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.close()
+    assert len(cancelled_after_s) == 1
+    assert cancelled_after_s[0] < LEASE_S  # within one lease of the last confirmed renewal

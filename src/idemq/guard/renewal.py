@@ -290,36 +290,50 @@ async def keep_async(
 ) -> None:
     """Renew ``terms``' claim every ``interval_s`` until cancelled; when the claim is lost —
     refused, or no renewal confirmed for ``lost_after_s`` — cancel ``handler`` (the handler's
-    task), after marking ``context``. Each renewal waits at most until the claim would count as
-    lost, so a silent connection cannot hold the verdict back."""
+    task), after marking ``context``.
+
+    A renewal runs as a task of its own that this loop waits on only until the claim would
+    count as lost: a renewal stuck on a silent connection (and, after a cancel, a driver still
+    waiting to hear that its query was cancelled) cannot hold the verdict back.
+    """
     now = monotonic()
     kept = _Kept(terms, context, now + terms.interval_s, now)
-    while True:
-        now = monotonic()
-        _overdue(kept, now)
-        if kept.gone:
-            break
-        if now < kept.next_at:
-            await asyncio.sleep(min(kept.next_at, kept.lost_at) - now)
-            continue
-        kept.next_at = now + terms.interval_s
-        now_ms = clock()
-        held: bool | None
-        try:
-            held = bool(
-                await asyncio.wait_for(
-                    renew(terms.key, terms.owner, now_ms + terms.lease_ms, now_ms),
-                    max(kept.lost_at - now, 0.001),
+    pending: asyncio.Future[Any] | None = None
+    sent_at = now
+    try:
+        while True:
+            now = monotonic()
+            _overdue(kept, now)
+            if kept.gone:
+                break
+            if pending is None and now >= kept.next_at:
+                kept.next_at = now + terms.interval_s
+                sent_at, now_ms = now, clock()
+                pending = asyncio.ensure_future(
+                    renew(terms.key, terms.owner, now_ms + terms.lease_ms, now_ms)
                 )
-            )
-        except TimeoutError:
-            log.warning("idemq lease renewal of %s did not answer in time", terms.key.message_id)
-            held = None
-        except StoreError as exc:
-            log.warning("idemq lease renewal of %s failed: %s", terms.key.message_id, exc)
-            held = None
-        _answered(kept, held, now)
+            if pending is None:
+                await asyncio.sleep(min(kept.next_at, kept.lost_at) - now)
+                continue
+            done, _ = await asyncio.wait({pending}, timeout=max(kept.lost_at - now, 0.001))
+            if pending in done:
+                _answered(kept, _renewal_answer(pending, terms), sent_at)
+                pending = None
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()  # not awaited: the driver may take long to give it up
     handler.cancel()
+
+
+def _renewal_answer(renewal: asyncio.Future[Any], terms: LeaseTerms) -> bool | None:
+    """A finished renewal's answer: held or not, or None when the store failed."""
+    error = renewal.exception()
+    if error is None:
+        return bool(renewal.result())
+    if isinstance(error, StoreError):
+        log.warning("idemq lease renewal of %s failed: %s", terms.key.message_id, error)
+        return None
+    raise error
 
 
 class AsyncHolding:
