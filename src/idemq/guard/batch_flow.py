@@ -166,6 +166,7 @@ def batch_flow(
     if to_claim:
         claims = yield ClaimManyIn(to_claim) if transactional else ClaimMany(to_claim)
     claimed = iter(claims)
+    holds = _LeaseHolds(policy, to_claim, claims)
     outcomes: list[Outcome[Any]] = []
     for i, request in enumerate(plan.requests):
         message_id = request.key.message_id
@@ -184,7 +185,7 @@ def batch_flow(
         if transactional:
             run = yield from _handle_in_transaction(policy, request, messages[i], isolated)
         else:
-            held = _held_after(policy, to_claim, claims, i)
+            held = holds.after(i)
             leased = yield from _handle_leased(policy, request, messages[i], claim.fence, held)
             if isinstance(leased, Outcome):  # its claim was lost before its handler started
                 outcomes.append(leased)
@@ -219,18 +220,28 @@ def _handle_in_transaction(
     return run
 
 
-def _held_after(
-    policy: Policy, requests: Sequence[ClaimRequest], claims: Sequence[Claim], index: int
-) -> tuple[LeaseTerms, ...]:
-    """The claims a lease-mode batch still holds for the messages after ``index``: renewed
-    while ``index``'s handler runs (none when the guard does not renew)."""
-    if not policy.renews:
-        return ()
-    return tuple(
-        LeaseTerms(request.key, request.owner, policy.lease_ms)
-        for request, claim in zip(requests[index + 1 :], claims[index + 1 :], strict=True)
-        if claim.acquired
-    )
+class _LeaseHolds:
+    """The claims a lease-mode batch still holds for the messages after each one: renewed
+    while that one's handler runs (none in transactional mode, or when the guard does not
+    renew). One tuple for the batch, so each message's share is a tail of it."""
+
+    def __init__(
+        self, policy: Policy, requests: Sequence[ClaimRequest], claims: Sequence[Claim]
+    ) -> None:
+        self.terms: tuple[LeaseTerms, ...] = ()
+        self.first_after: list[int] = []  # per request: where its successors' claims start
+        if not policy.renews:
+            return
+        terms: list[LeaseTerms] = []
+        for request, claim in zip(requests, claims, strict=True):
+            if claim.acquired:
+                terms.append(LeaseTerms(request.key, request.owner, policy.lease_ms))
+            self.first_after.append(len(terms))
+        self.terms = tuple(terms)
+
+    def after(self, index: int) -> tuple[LeaseTerms, ...]:
+        """The claims held for the messages after request ``index``."""
+        return self.terms[self.first_after[index] :] if self.terms else ()
 
 
 def _handle_leased(

@@ -39,7 +39,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,21 +262,23 @@ class Holding:
 
     def __init__(self, keeper: LeaseKeeper) -> None:
         self._keeper = keeper
-        self._held: dict[tuple[Key, str], _Kept] = {}
+        self._held: list[_Kept] = []  # in the batch's order
 
-    def keep(self, terms: Iterable[LeaseTerms]) -> None:
+    def keep(self, terms: Sequence[LeaseTerms]) -> None:
         """Hold exactly ``terms``' claims from now on: new ones are renewed from now, the ones
-        left out (their handler starts now, or they are settled) are no longer renewed here."""
-        wanted = {(t.key, t.owner): t for t in terms}
-        if not wanted and not self._held:
-            return  # a single message, or a batch with nothing left to hold: no lock taken
-        dropped = [kept for ident, kept in self._held.items() if ident not in wanted]
-        self._keeper._discard(dropped)
-        for ident in [ident for ident in self._held if ident not in wanted]:
-            del self._held[ident]
-        for ident, one in wanted.items():
-            if ident not in self._held:
-                self._held[ident] = self._keeper._add(one, None)
+        left out (their handler starts now, or they are settled) are no longer renewed here.
+
+        A batch passes the same claims each time, fewer at the front (a tail of one tuple), so
+        that case only drops the front: no work per held claim for every handler started."""
+        held, count = self._held, len(terms)
+        start = len(held) - count
+        if start >= 0 and (count == 0 or held[start].terms is terms[0]):
+            if start:
+                self._keeper._discard(held[:start])
+                del held[:start]
+            return
+        self._keeper._discard(held)
+        self._held = [self._keeper._add(one, None) for one in terms]
 
 
 async def keep_async(
@@ -343,16 +345,20 @@ class AsyncHolding:
     def __init__(self, renew: Callable[[Key, str, int, int], Any], clock: Clock) -> None:
         self._renew = renew
         self._clock = clock
-        self._tasks: dict[tuple[Key, str], asyncio.Task[None]] = {}
+        self._held: list[tuple[LeaseTerms, asyncio.Task[None]]] = []  # in the batch's order
 
-    def keep(self, terms: Iterable[LeaseTerms]) -> None:
+    def keep(self, terms: Sequence[LeaseTerms]) -> None:
         """See :meth:`Holding.keep`."""
-        wanted = {(t.key, t.owner): t for t in terms}
-        for ident in [ident for ident in self._tasks if ident not in wanted]:
-            self._tasks.pop(ident).cancel()
-        for ident, one in wanted.items():
-            if ident not in self._tasks:
-                self._tasks[ident] = asyncio.create_task(self._hold(one))
+        held, count = self._held, len(terms)
+        start = len(held) - count
+        if start >= 0 and (count == 0 or held[start][0] is terms[0]):
+            for _terms, task in held[:start]:
+                task.cancel()
+            del held[:start]
+            return
+        for _terms, task in held:
+            task.cancel()
+        self._held = [(one, asyncio.create_task(self._hold(one))) for one in terms]
 
     def close(self) -> None:
         """Stop renewing every held claim."""
