@@ -25,6 +25,7 @@ from sqlalchemy.engine import make_url
 
 import idemq
 from idemq.guard.context import current_message
+from idemq.stores.base import RecordStatus
 from tests.conftest import (
     MYSQL_URL,
     PG_URL,
@@ -234,3 +235,43 @@ def test_an_async_handler_is_cancelled_within_one_lease_when_packets_vanish(kind
         proxy.close()
     assert len(cancelled_after_s) == 1
     assert cancelled_after_s[0] < LEASE_S  # within one lease of the last confirmed renewal
+
+
+def test_with_a_driver_read_timeout_a_silent_connection_costs_one_renewal_not_the_lease():
+    # PyMySQL's read_timeout (connect_args, as guard-options documents) frees the connection a
+    # renewal is stuck on: that renewal fails, the next one goes out on another connection and
+    # lands, and the handler keeps its lease.
+    require_service("mysql")
+    url, table, lease_s = make_url(MYSQL_URL), unique("mi"), 3.0
+    direct = idemq.SqlStore(url, table=table, lease_clock="client")
+    direct.create_schema()
+    proxy = SilentProxy((url.host or "127.0.0.1", url.port or 3306))
+    store = idemq.SqlStore(
+        url.set(port=proxy.port),
+        table=table,
+        lease_clock="client",
+        connect_args={"read_timeout": 1},
+    )
+    consumer = unique("c")
+    guard = idemq.Idempotency(store, consumer=consumer, mode="lease", lease_s=lease_s)
+    told: list[bool] = []
+
+    def handle(_tx: Any) -> str:
+        context = current_message()
+        assert context is not None
+        proxy.silence_next(b"SILENT_1")  # its next statement: a renewal
+        assert proxy.silenced.wait(2 * lease_s)
+        told.append(context.wait_lease_lost(1.5 * lease_s))
+        return "done"
+
+    try:
+        outcome = guard.process("SILENT_1", handle)
+        assert told == [False]
+        assert outcome.status is idemq.Status.PROCESSED
+        assert direct.get("SILENT_1", consumer).status is RecordStatus.PROCESSED
+    finally:
+        proxy.heal()
+        proxy.close()
+        store.close()
+        direct.drop_schema()
+        direct.close()
