@@ -6,6 +6,7 @@ test counts handler runs (the effect) as well as the outcome.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -17,7 +18,8 @@ import sqlalchemy as sa
 
 import idemq
 from idemq.guard.codec import DataclassCodec, PydanticCodec
-from tests.conftest import unique
+from idemq.stores.base import ClaimRequest, ForgetResult, Key
+from tests.conftest import REDIS_URL, redis_cleanup, require_service, unique
 from tests.contract.conftest import FakeClock
 
 
@@ -202,3 +204,77 @@ def test_an_effect_in_the_callers_rolled_back_transaction_is_never_cached(sql_st
     with sql_store.engine.connect() as conn:
         rows = conn.execute(sa.select(sa.func.count()).select_from(sql_store.table)).scalar()
     assert rows == 1
+
+
+async def _async_lease_store(kind: str, tmp_path: Any) -> Any:
+    if kind == "redis":
+        require_service("redis")
+        return idemq.AsyncRedisStore(REDIS_URL, prefix=unique("idemqtest"))
+    store = idemq.AsyncSqlStore(f"sqlite:///{tmp_path / 'idemq.db'}", table=unique("mi"))
+    await store.create_schema()
+    return store
+
+
+async def _dispose_async(store: Any) -> None:
+    if isinstance(store, idemq.AsyncRedisStore):
+        redis_cleanup(store.prefix)
+    await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_waiter_behind_a_call_that_gave_up_in_progress_is_never_answered_duplicate(
+    kind: str, tmp_path: Any
+):
+    # Another worker holds M1's live lease all along. The first call waits wait_s and gives up
+    # IN_PROGRESS; a second call of M1 on the same guard waits on the first (in-process). Nobody
+    # completed M1, so the second must not be answered DUPLICATE: its worker would ack a
+    # message whose effect never happened.
+    consumer = unique("c")
+    runs: list[int] = []
+
+    async def main() -> tuple[idemq.Outcome[Any], idemq.Outcome[Any]]:
+        store = await _async_lease_store(kind, tmp_path)
+        try:
+            foreign = ClaimRequest(
+                Key(consumer, "M1"), None, None, "f" * 32, round(time.time() * 1000), 60_000
+            )
+            assert (await store.claim(foreign)).acquired
+            guard = idemq.AsyncIdempotency(
+                store, consumer=consumer, mode="lease", lease_s=60, wait_s=0.5
+            )
+            first = asyncio.create_task(guard.process("M1", lambda _tx: runs.append(1)))
+            await asyncio.sleep(0.1)  # the first call is waiting for the foreign lease
+            second = await guard.process("M1", lambda _tx: runs.append(2))
+            return await first, second
+        finally:
+            await _dispose_async(store)
+
+    first, second = asyncio.run(main())
+    assert runs == []
+    assert first.status is idemq.Status.IN_PROGRESS
+    assert second.status is idemq.Status.IN_PROGRESS
+    assert not second.should_ack
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_an_async_forget_drops_the_local_cache_entry_so_the_message_runs_again(
+    kind: str, tmp_path: Any
+):
+    consumer = unique("c")
+    runs: list[int] = []
+
+    async def main() -> list[idemq.Status]:
+        store = await _async_lease_store(kind, tmp_path)
+        try:
+            guard = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", local_cache=10)
+            statuses = [(await guard.process("M1", lambda _tx: runs.append(1))).status]
+            statuses.append((await guard.process("M1", lambda _tx: runs.append(1))).status)
+            assert await guard.forget("M1") is ForgetResult.FORGOTTEN
+            statuses.append((await guard.process("M1", lambda _tx: runs.append(1))).status)
+            return statuses
+        finally:
+            await _dispose_async(store)
+
+    statuses = asyncio.run(main())
+    assert statuses == [idemq.Status.PROCESSED, idemq.Status.DUPLICATE, idemq.Status.PROCESSED]
+    assert runs == [1, 1]  # forgotten: the effect happens again, as the operator asked

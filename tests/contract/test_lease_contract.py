@@ -303,3 +303,25 @@ def test_a_business_id_with_a_lone_surrogate_is_refused_before_anything_runs(sto
         lease_guard(store, clock).process("M", handler, business_id="order\udcff")
     assert handler.count == 0
     assert store.get("M", "orders") is None
+
+
+def test_a_renewal_by_a_worker_whose_lease_was_taken_over_is_refused_and_extends_nothing(
+    store, clock
+):
+    # The owner check is the whole point of renew: without it the stale worker's renewal would
+    # answer "still yours" and push the new owner's lease out, and the stale worker would go on
+    # to its effect unwarned.
+    key = Key("orders", "M1")
+    stale, current = "a" * 32, "b" * 32
+    assert store.claim(ClaimRequest(key, None, None, stale, clock(), LEASE_MS)).acquired
+    clock.advance(LEASE_MS + 1)
+    assert store.claim(ClaimRequest(key, None, None, current, clock(), LEASE_MS)).acquired
+    before = store.get("M1", "orders")
+
+    assert store.renew(key, stale, clock() + 10 * LEASE_MS, clock()) is False
+
+    after = store.get("M1", "orders")
+    assert after.owner == current
+    assert after.lease_until_ms == before.lease_until_ms  # the new owner's lease untouched
+    assert store.renew(key, current, clock() + 2 * LEASE_MS, clock()) is True
+    assert store.get("M1", "orders").lease_until_ms == clock() + 2 * LEASE_MS

@@ -19,9 +19,9 @@ import pytest
 
 import idemq
 from idemq.guard.context import current_message
-from idemq.stores.base import ForgetResult
+from idemq.stores.base import ClaimRequest, ForgetResult, Key, RecordStatus
 from tests.conftest import REDIS_URL, require_service, unique
-from tests.contract.conftest import dispose, make_store
+from tests.contract.conftest import FakeClock, dispose, make_store
 
 LEASE_S = 1.5
 
@@ -180,3 +180,32 @@ def test_a_3s_handler_with_a_1s_lease_runs_once_while_duplicates_keep_arriving(r
     assert set(answers) <= {idemq.Status.IN_PROGRESS, idemq.Status.DUPLICATE}
     assert after.status is idemq.Status.DUPLICATE
     assert after.result == "done"
+
+
+def test_a_handler_whose_lease_was_taken_over_is_told_by_its_next_renewal(store):
+    # A rival takes the claim over (the lease ran out on the guard's clock) and is still at
+    # work: the holder's next renewal is refused by the owner check and its handler hears of
+    # it; the rival's lease is left as the rival made it.
+    clock = FakeClock()
+    consumer = unique("c")
+    holder = guard_of(store, consumer, clock=clock)
+    key, rival = Key(consumer, "M1"), "f" * 32
+    lease_ms = round(LEASE_S * 1000)
+    seen: list[bool] = []
+
+    def handler(_tx: Any) -> None:
+        context = current_message()
+        assert context is not None
+        for _ in range(5):  # a renewal landing between the two lines would keep it: again
+            clock.advance(lease_ms + 1)
+            if store.claim(ClaimRequest(key, None, None, rival, clock(), lease_ms)).acquired:
+                break
+        seen.append(context.wait_lease_lost(3 * LEASE_S))
+
+    with pytest.raises(idemq.LeaseLostError):
+        holder.process("M1", handler)
+    assert seen == [True]
+    record = store.get("M1", consumer)
+    assert record.owner == rival
+    assert record.status is RecordStatus.PROCESSING
+    assert record.lease_until_ms == clock() + lease_ms  # not pushed out by the stale holder

@@ -18,6 +18,7 @@ from rich.prompt import Confirm
 from rich.table import Table
 
 from idemq.errors import ConfigurationError, IdemqError
+from idemq.guard.cache import DEFAULT_LOCAL_CACHE_TTL_S
 from idemq.stores import admin
 from idemq.stores.admin import record_dict
 from idemq.stores.base import ForgetResult
@@ -326,9 +327,21 @@ def cmd_forget(args: argparse.Namespace) -> int:
     finally:
         store.close()
     if args.json:
-        _print_json({"message_id": args.id, "consumer": args.consumer, "result": result.value})
+        _print_json(
+            {
+                "message_id": args.id,
+                "consumer": args.consumer,
+                "result": result.value,
+                "local_cache_bound_s": DEFAULT_LOCAL_CACHE_TTL_S,
+            }
+        )
     elif result is ForgetResult.FORGOTTEN:
         console.print(f"forgot {args.id!r} ({args.consumer}): its next delivery runs again")
+        # Running guards with local_cache= do not hear of it: each entry expires on its own.
+        console.print(
+            f"  workers whose guard has local_cache= may still answer it DUPLICATE for up to "
+            f"local_cache_ttl_s (default {DEFAULT_LOCAL_CACHE_TTL_S:g} s)"
+        )
     elif result is ForgetResult.NOT_FOUND:
         err_console.print(f"no record of message id {args.id!r} for consumer {args.consumer!r}")
     else:

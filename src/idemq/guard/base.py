@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 from idemq._clock import Clock
 from idemq.errors import ConfigurationError, InvalidMessageIdError
 from idemq.guard.batch_flow import BatchFlow, BatchPasses, BatchPlan, batch_flow, plan_batch
-from idemq.guard.cache import CompletedCache
+from idemq.guard.cache import DEFAULT_LOCAL_CACHE_TTL_S, CompletedCache
 from idemq.guard.codec import Codec
 from idemq.guard.core import Mode, Outcome, Policy, Status, processed_record
 from idemq.guard.probes import Observer, Probe, report_batch
@@ -115,7 +115,7 @@ class GuardBase(Generic[S]):
         codec: Codec[Any] | None = None,
         wait_s: float = 0.0,
         local_cache: int = 0,
-        local_cache_ttl_s: float = 300.0,
+        local_cache_ttl_s: float = DEFAULT_LOCAL_CACHE_TTL_S,
         renew: bool = True,
     ) -> None:
         transactional = isinstance(store, self._transactional_protocol)

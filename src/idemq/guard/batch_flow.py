@@ -7,6 +7,7 @@ a single message (:mod:`idemq.guard.flow`)::
     ClaimManyIn / ClaimMany          every request of the pass, one round trip
     per new message:
       [OpenSavepoint]                 isolated pass only
+      [Renew]                         lease mode: is its claim still ours? (lost: IN_PROGRESS)
       RunHandler                      handler(msg, tx)
       ConfirmIn | Complete            the result (a row updated, a lease completed); in a
                                       transaction, a lost one (the handler caught a database
@@ -22,6 +23,13 @@ message in its own savepoint, the one that raised marked FAILED without running 
 error in any step fails the whole pass, never one message: after it the transaction may be gone
 (a deadlock rolls it back whole), and carrying on would report PROCESSED for effects that never
 committed. In lease mode every message is isolated anyway: its claim is its own record.
+
+A lease-mode batch holds every claim from the start, while its handlers run one after another,
+so it may well outlast ``lease_s``: while each handler runs, the claims of the messages after it
+are renewed too (:attr:`RunHandler.held`), and right before a message's handler starts its claim
+is renewed on the store once more (:class:`Renew`) — the proof that no rival took it over and
+completed it meanwhile, which would make this run a second effect. A claim found lost is that
+message's IN_PROGRESS (not acked; its redelivery meets the rival's record), never a run.
 """
 
 from __future__ import annotations
@@ -49,11 +57,13 @@ from idemq.guard.flow import (
     HandlerRun,
     OpenSavepoint,
     ReleaseIn,
+    Renew,
     Step,
     raise_if_transaction_lost,
     release_noting_failure,
     run_handler,
 )
+from idemq.guard.renewal import LeaseTerms
 from idemq.stores.base import Claim, ClaimRequest
 
 __all__ = [
@@ -165,6 +175,7 @@ def batch_flow(
     if to_claim:
         claims = yield ClaimManyIn(to_claim) if transactional else ClaimMany(to_claim)
     claimed = iter(claims)
+    holds = _LeaseHolds(policy, to_claim, claims)
     outcomes: list[Outcome[Any]] = []
     processed: list[ClaimRequest] = []
     for i, request in enumerate(plan.requests):
@@ -184,7 +195,12 @@ def batch_flow(
         if transactional:
             run = yield from _handle_in_transaction(policy, request, messages[i], isolated)
         else:
-            run = yield from _handle_leased(policy, request, messages[i], claim.fence)
+            held = holds.after(i)
+            leased = yield from _handle_leased(policy, request, messages[i], claim.fence, held)
+            if isinstance(leased, Outcome):  # its claim was lost before its handler started
+                outcomes.append(leased)
+                continue
+            run = leased
         if run.error is None:
             outcomes.append(Outcome.processed(message_id, run.result))
             processed.append(request)
@@ -232,10 +248,45 @@ def _handle_in_transaction(
     return run
 
 
+class _LeaseHolds:
+    """The claims a lease-mode batch still holds for the messages after each one: renewed
+    while that one's handler runs (none in transactional mode, or when the guard does not
+    renew). One tuple for the batch, so each message's share is a tail of it."""
+
+    def __init__(
+        self, policy: Policy, requests: Sequence[ClaimRequest], claims: Sequence[Claim]
+    ) -> None:
+        self.terms: tuple[LeaseTerms, ...] = ()
+        self.first_after: list[int] = []  # per request: where its successors' claims start
+        if not policy.renews:
+            return
+        terms: list[LeaseTerms] = []
+        for request, claim in zip(requests, claims, strict=True):
+            if claim.acquired:
+                terms.append(LeaseTerms(request.key, request.owner, policy.lease_ms))
+            self.first_after.append(len(terms))
+        self.terms = tuple(terms)
+
+    def after(self, index: int) -> tuple[LeaseTerms, ...]:
+        """The claims held for the messages after request ``index``."""
+        return self.terms[self.first_after[index] :] if self.terms else ()
+
+
 def _handle_leased(
-    policy: Policy, request: ClaimRequest, message: Any, fence: int | None
-) -> Generator[Step, Any, HandlerRun]:
-    run = yield from run_handler(policy, request, message, None, fence)
+    policy: Policy,
+    request: ClaimRequest,
+    message: Any,
+    fence: int | None,
+    held: tuple[LeaseTerms, ...],
+) -> Generator[Step, Any, HandlerRun | Outcome[Any]]:
+    """One new message of a lease-mode batch: its claim re-checked, its handler, its complete;
+    an IN_PROGRESS outcome when the claim was lost before the handler could start."""
+    key = request.key
+    if not (yield Renew(key, request.owner, policy.lease_ms, policy.clock())):
+        # A rival took the claim over while earlier handlers ran (and may have completed it):
+        # running the handler now would be a second effect.
+        return Outcome(Status.IN_PROGRESS, key.message_id)
+    run = yield from run_handler(policy, request, message, None, fence, held=held)
     if run.error is not None:
         yield from release_noting_failure(request, run.error)
         return run

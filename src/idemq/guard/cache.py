@@ -9,6 +9,11 @@ consumer: a message id is never answered for another consumer's record.
 
 Entries are evicted least recently used beyond ``size``, and after ``ttl_ms`` on the guard's
 clock, so a record the store has since purged, expired or forgotten is not answered for long.
+How long exactly: a ``forget`` through the same guard drops the entry at once; a ``forget``
+anywhere else (``idemq forget``, another process's guard, ``store.forget``) is seen by this
+cache only when the entry expires, at most ``local_cache_ttl_s`` later
+(:data:`DEFAULT_LOCAL_CACHE_TTL_S` unless the guard was given another). Until then a delivery
+of the forgotten message to this process is answered DUPLICATE, not run.
 """
 
 from __future__ import annotations
@@ -19,7 +24,17 @@ from collections import OrderedDict
 from idemq.errors import ConfigurationError
 from idemq.stores.base import Record, RecordStatus
 
-__all__ = ["CompletedCache"]
+__all__ = ["DEFAULT_LOCAL_CACHE_TTL_S", "CompletedCache"]
+
+DEFAULT_LOCAL_CACHE_TTL_S = 30.0
+"""How long a completed record is answered from memory by default, and so how long after an
+``idemq forget`` elsewhere a guard with ``local_cache=`` may still answer DUPLICATE.
+
+The cache is for redelivery storms — a broker handing back, within seconds, messages this
+process finished a moment ago (a consumer restart, an ack or visibility timeout running out) —
+and 30 s covers those. A duplicate arriving later costs one claim round trip, no effect; a longer
+TTL would save little and keep a forgotten message from running again for longer.
+"""
 
 
 class CompletedCache:
@@ -53,6 +68,13 @@ class CompletedCache:
         if record.status is not RecordStatus.PROCESSED:
             return
         with self._lock:
+            entry = self._records.get(record.message_id)
+            if entry is not None and entry[1] is record:
+                # A duplicate answered from this very entry: the store was not asked, so the
+                # entry keeps its age. Stamping it again would let a steady stream of
+                # duplicates keep a forgotten record answered for ever, not ttl_ms.
+                self._records.move_to_end(record.message_id)
+                return
             self._records[record.message_id] = (now_ms, record)
             self._records.move_to_end(record.message_id)
             while len(self._records) > self.size:

@@ -60,6 +60,7 @@ __all__ = [
     "Pause",
     "Release",
     "ReleaseIn",
+    "Renew",
     "RunHandler",
     "Step",
     "StoreStep",
@@ -122,6 +123,24 @@ class Release(StoreStep):
 
     def call(self, store: Any, tx: Any) -> Any:
         return store.release(self.key, self.owner)
+
+
+@dataclass(frozen=True, slots=True)
+class Renew(StoreStep):
+    """Lease mode: extend ``owner``'s claim to ``now_ms`` plus ``lease_ms``. Reply: True while
+    ``owner`` still holds it, False once it was taken over, released or completed.
+
+    A batch sends it right before each later message's handler: the claim was made with the
+    batch, and only a store that says it is still ours proves no rival has taken it since.
+    """
+
+    key: Key
+    owner: str
+    lease_ms: int
+    now_ms: int
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.renew(self.key, self.owner, self.now_ms + self.lease_ms, self.now_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +264,8 @@ class RunHandler:
     message: Any
     context: HandlerContext
     lease: LeaseTerms | None = None  # lease mode: the claim to renew while the handler runs
+    # Lease-mode batch: the claims held for its later messages, renewed while this one runs.
+    held: tuple[LeaseTerms, ...] = ()
 
 
 Step: TypeAlias = StoreStep | RunHandler | Pause
@@ -266,8 +287,10 @@ def run_handler(
     message: Any,
     probe: Probe | None,
     fence: int | None = None,
+    *,
+    held: tuple[LeaseTerms, ...] = (),
 ) -> Generator[Step, Any, HandlerRun]:
-    """The handler step, reported to ``probe``.
+    """The handler step, reported to ``probe`` (``held``: see :attr:`RunHandler.held`).
 
     A result that cannot be stored counts as the handler's failure, found before anything is
     written: a message must never be answered PROCESSED with a result no duplicate can replay.
@@ -279,7 +302,7 @@ def run_handler(
     fenced = None if policy.mode is Mode.TRANSACTIONAL else fence
     context = HandlerContext(key.consumer, key.message_id, request.owner, fenced)
     lease = LeaseTerms(key, request.owner, policy.lease_ms) if policy.renews else None
-    ok, value = yield RunHandler(message, context, lease)
+    ok, value = yield RunHandler(message, context, lease, held)
     if probe is not None:
         probe.handler_done(None if ok else value)
     if not ok:

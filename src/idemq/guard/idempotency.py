@@ -21,7 +21,7 @@ from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
 from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
-from idemq.guard.renewal import LeaseKeeper
+from idemq.guard.renewal import Holding, LeaseKeeper
 from idemq.message import Message
 from idemq.stores.base import ForgetResult, Store, TransactionalStore
 
@@ -130,13 +130,20 @@ class Idempotency(GuardBase[Store]):
 
     # -- carrying the steps out ------------------------------------------------------------
 
-    def _keeping(self, step: RunHandler) -> AbstractContextManager[None]:
-        """The claim of ``step`` renewed while its handler runs (a no-op without a lease)."""
-        if step.lease is None:
-            return nullcontext()
+    @property
+    def _lease_keeper(self) -> LeaseKeeper:
         if self._keeper is None:
             self._keeper = LeaseKeeper(self.store.renew, self.policy.clock)
-        return self._keeper.keeping(step.lease, step.context)
+        return self._keeper
+
+    def _keeping(self, step: RunHandler, holding: Holding | None) -> AbstractContextManager[None]:
+        """The claim of ``step`` renewed while its handler runs (a no-op without a lease), and
+        the claims a batch holds for later messages (``step.held``) until their turn."""
+        if holding is not None:
+            holding.keep(step.held)
+        if step.lease is None:
+            return nullcontext()
+        return self._lease_keeper.keeping(step.lease, step.context)
 
     def _run(
         self,
@@ -150,7 +157,9 @@ class Idempotency(GuardBase[Store]):
         again (a deadlock, or a batch's handler failure before its isolated pass)."""
         retries = retries_type(owns_transaction=connection is None)
         if not self._transactional:
-            return drive(make_flow(retries), functools.partial(self._execute, None, handler))
+            with self._lease_keeper.holding() as holding:
+                execute = functools.partial(self._execute, None, handler, holding=holding)
+                return drive(make_flow(retries), execute)
         store = cast(TransactionalStore, self.store)
         while True:
             try:
@@ -161,12 +170,19 @@ class Idempotency(GuardBase[Store]):
                 if not retries.again(exc):
                     raise
 
-    def _execute(self, tx: Any, handler: Callable[[Any, Any], Any], step: Step) -> Any:
+    def _execute(
+        self,
+        tx: Any,
+        handler: Callable[[Any, Any], Any],
+        step: Step,
+        *,
+        holding: Holding | None = None,
+    ) -> Any:
         """Carry out one step: a store primitive, or the handler (its outcome as data)."""
         if isinstance(step, RunHandler):
             token = context.enter(step.context)
             try:
-                with self._keeping(step):
+                with self._keeping(step, holding):
                     return True, handler(step.message, tx)
             except BaseException as exc:  # the flow decides; it re-raises what must go on
                 return False, exc

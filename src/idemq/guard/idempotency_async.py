@@ -22,7 +22,7 @@ from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Mode, Outcome
 from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
 from idemq.guard.inflight import InFlight
-from idemq.guard.renewal import keep_async
+from idemq.guard.renewal import AsyncHolding, keep_async
 from idemq.message import Message
 from idemq.stores.base import AsyncStore, AsyncTransactionalStore, ClaimRequest, ForgetResult
 
@@ -193,7 +193,12 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         """See :meth:`Idempotency._run`."""
         retries = retries_type(owns_transaction=connection is None)
         if not self._transactional:
-            return await adrive(make_flow(retries), functools.partial(self._execute, None, handler))
+            holding = AsyncHolding(self.store.renew, self.policy.clock)
+            try:
+                execute = functools.partial(self._execute, None, handler, holding=holding)
+                return await adrive(make_flow(retries), execute)
+            finally:
+                holding.close()
         store = cast(AsyncTransactionalStore, self.store)
         while True:
             try:
@@ -204,9 +209,18 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
                 if not retries.again(exc):
                     raise
 
-    async def _execute(self, tx: Any, handler: Callable[[Any, Any], Any], step: Step) -> Any:
+    async def _execute(
+        self,
+        tx: Any,
+        handler: Callable[[Any, Any], Any],
+        step: Step,
+        *,
+        holding: AsyncHolding | None = None,
+    ) -> Any:
         """See :meth:`Idempotency._execute`; a plain function's result is not awaited."""
         if isinstance(step, RunHandler):
+            if holding is not None:
+                holding.keep(step.held)
             token = context.enter(step.context)
             try:
                 result = handler(step.message, tx)

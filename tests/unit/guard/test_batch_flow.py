@@ -38,8 +38,14 @@ def drive(flow, claims: list[Claim], replies: dict[str, tuple[bool, Any]]):
     return claimed, handled, outcomes
 
 
-def drive_trail(flow, claims: list[Claim], replies: dict[str, tuple[bool, Any]]):
-    """Like :func:`drive`, and the names of every step asked for, in order."""
+def drive_trail(
+    flow,
+    claims: list[Claim],
+    replies: dict[str, tuple[bool, Any]],
+    lost_before_start: tuple[str, ...] = (),
+):
+    """Like :func:`drive`, and the names of every step asked for, in order.
+    ``lost_before_start``: lease-mode claims the store no longer holds when renewed."""
     claimed: list[str] = []
     handled: list[str] = []
     trail: list[str] = []
@@ -59,6 +65,8 @@ def drive_trail(flow, claims: list[Claim], replies: dict[str, tuple[bool, Any]])
             reply = replies[step.message.id]
         elif isinstance(step, steps.OpenSavepoint):
             reply = "savepoint"
+        elif isinstance(step, steps.Renew):
+            reply = step.key.message_id not in lost_before_start
 
 
 def done(message_id: str, payload_hash: str | None = None) -> Claim:
@@ -195,17 +203,51 @@ def test_a_lease_batch_completes_each_message_and_releases_a_failed_one():
         [Claim.won(), Claim.won()],
         {"a": (True, 1), "b": (False, ValueError("boom"))},
     )
-    assert trail == ["ClaimMany", "RunHandler", "Complete", "RunHandler", "Release"]
+    assert trail == [
+        "ClaimMany", "Renew", "RunHandler", "Complete", "Renew", "RunHandler", "Release",
+    ]  # fmt: skip
     assert [o.status for o in outcomes] == [Status.PROCESSED, Status.FAILED]
+
+
+def test_a_lease_batch_message_whose_claim_was_lost_meanwhile_is_in_progress_and_not_run():
+    # A rival took "b" over (and may have completed it) while "a"'s handler ran: running "b"
+    # now would be its second effect.
+    _claimed, handled, outcomes, trail = drive_trail(
+        flow_of("a", "b", "c", isolated=True),
+        [Claim.won(), Claim.won(), Claim.won()],
+        {"a": (True, 1), "c": (True, 3)},
+        lost_before_start=("b",),
+    )
+    assert handled == ["a", "c"]
+    assert [o.status for o in outcomes] == [Status.PROCESSED, Status.IN_PROGRESS, Status.PROCESSED]
+    assert not outcomes[1].should_ack
+    assert trail.count("Renew") == 3
+
+
+def test_a_lease_batch_renews_the_claims_it_holds_for_later_messages_while_a_handler_runs():
+    flow = flow_of("a", "b", "c", isolated=True)
+    next(flow)
+    assert isinstance(flow.send([Claim.won(), done("b"), Claim.won()]), steps.Renew)
+    run_a = flow.send(True)
+    assert isinstance(run_a, steps.RunHandler)
+    assert run_a.lease is not None
+    assert run_a.lease.key.message_id == "a"
+    assert [t.key.message_id for t in run_a.held] == ["c"]  # "b" is done: nothing to hold
+    assert isinstance(flow.send((True, 1)), steps.Complete)
+    assert isinstance(flow.send(None), steps.Renew)
+    run_c = flow.send(True)
+    assert run_c.held == ()
 
 
 def test_a_lease_lost_at_complete_fails_only_its_message():
     flow = flow_of("a", "b", isolated=True)
     next(flow)
-    assert isinstance(flow.send([Claim.won(), Claim.won()]), steps.RunHandler)
+    assert isinstance(flow.send([Claim.won(), Claim.won()]), steps.Renew)
+    assert isinstance(flow.send(True), steps.RunHandler)
     assert isinstance(flow.send((True, 1)), steps.Complete)
     lost = idemq.LeaseLostError("taken over")
-    assert isinstance(flow.throw(lost), steps.RunHandler)  # b goes on
+    assert isinstance(flow.throw(lost), steps.Renew)  # b goes on
+    assert isinstance(flow.send(True), steps.RunHandler)
     assert isinstance(flow.send((True, 2)), steps.Complete)
     with pytest.raises(StopIteration) as done:
         flow.send(None)
@@ -218,6 +260,7 @@ def test_a_keyboard_interrupt_stops_the_batch_after_releasing_its_lease():
     flow = flow_of("a", "b", isolated=True)
     next(flow)
     flow.send([Claim.won(), Claim.won()])
+    flow.send(True)  # Renew: a's claim is still ours
     interrupt = KeyboardInterrupt()
     assert isinstance(flow.send((False, interrupt)), steps.Release)
     with pytest.raises(KeyboardInterrupt):
