@@ -14,7 +14,11 @@ consumer's dedup row absorbs the copy. Relays running side by side skip each oth
 rows, so none is published twice except after such a crash.
 
 SQLite has no row locks: a batch first leases its rows (``lease_owner``/``lease_until_ms`` in
-one short write transaction), publishes, then deletes only the rows it still holds.
+one short write transaction), publishes, then deletes only the rows it still holds. While it
+publishes it keeps the leases (renewed every third of ``lease_s``), and right before each publish
+it renews that row's lease and publishes it only if it still holds it
+(:class:`~idemq.outbox.leases.LeaseKeeper`): a publish slower than the lease does not let another
+relay send the same rows.
 
 Ordering. A row is claimable only when no earlier (lower ``seq``) unsent row of its
 ``ordering_key`` exists in the claiming statement's view. Relay B, looking while relay A holds
@@ -51,6 +55,7 @@ from idemq.brokers.base import Broker
 from idemq.drivers.sql import translate_db_error
 from idemq.errors import BrokerError, BrokerUnavailableError, StoreError, StoreUnavailableError
 from idemq.outbox.admin import cleanup
+from idemq.outbox.leases import LeaseKeeper
 from idemq.outbox.outbox import Outbox
 from idemq.outbox.statements import Statements
 
@@ -68,6 +73,7 @@ class BatchResult:
     retried: list[str] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
     refused: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (attempts, reason)
+    lost: list[str] = field(default_factory=list)  # SQLite: leases another relay took over
     outage: BrokerUnavailableError | None = None
 
     def merge(self, other: BatchResult) -> None:
@@ -77,6 +83,7 @@ class BatchResult:
         self.retried += other.retried
         self.dead += other.dead
         self.refused.update(other.refused)
+        self.lost += other.lost
         self.outage = other.outage or self.outage
 
 
@@ -168,17 +175,30 @@ class OutboxRelay:
         now = self.clock()
         mine = {"owner": self.owner}
         params = {**mine, "now_ms": now, "until_ms": now + int(self.lease_s * 1000)}
-        with self.outbox.engine.begin() as conn:
+        engine = self.outbox.engine
+        with engine.begin() as conn:
             rows = conn.execute(sql.claim, {**params, "limit": self.batch_size}).all()
-        result = self._publish(sorted(rows, key=lambda row: int(row.seq)))
-        with self.outbox.engine.begin() as conn:
-            self._settle(conn, sql, result, mine)
+        ids = [row.id for row in rows]
+        # Kept until the settle has committed: a lease running out between the last confirm
+        # and the delete would let another relay publish a row already sent.
+        with LeaseKeeper(engine, sql, self.owner, self.lease_s, self.clock, ids) as keeper:
+            result = self._publish(sorted(rows, key=lambda row: int(row.seq)), keeper.fence)
+            with engine.begin() as conn:
+                self._settle(conn, sql, result, mine)
         return result
 
-    def _publish(self, rows: Sequence[Row[Any]]) -> BatchResult:
+    def _publish(
+        self, rows: Sequence[Row[Any]], fence: Callable[[str], bool] | None = None
+    ) -> BatchResult:
+        """Publish ``rows`` in order; ``fence`` (SQLite) says whether a row is still this
+        relay's right before its publish."""
         result = BatchResult(claimed=len(rows))
         broker = self._open_broker()
         for row in rows:
+            if fence is not None and not fence(row.id):
+                result.lost.append(row.id)
+                log.warning("outbox row %s was taken over by another relay; left to it", row.id)
+                continue
             try:
                 headers = json.loads(row.headers) if row.headers else {}
                 broker.publish(row.destination, bytes(row.body), headers=headers, message_id=row.id)
@@ -204,8 +224,10 @@ class OutboxRelay:
         if result.published:
             if self.keep_sent_s > 0:
                 conn.execute(sql.mark_sent, {"ids": result.published, "now_ms": now, **mine})
+            elif sql.delete_leased is not None:
+                conn.execute(sql.delete_leased, {"ids": result.published, **mine})
             else:
-                conn.execute(sql.delete_sent, {"ids": result.published, **mine})
+                conn.execute(sql.delete_sent, {"ids": result.published})
         for row_id in result.retried:
             attempts, reason = result.refused[row_id]
             delay_s = min(self.backoff_s * 2**attempts, self.max_backoff_s)

@@ -38,6 +38,10 @@ class Statements:
     stats: TextClause
     dead_count: TextClause
     lease: bool  # SQLite: claims are leases on the rows, not row locks
+    # SQLite only (None elsewhere): extend this relay's leases on :ids, returning the ids it
+    # still holds (the fence before a publish), and delete only the rows it still holds.
+    renew_leases: TextClause | None = None
+    delete_leased: TextClause | None = None
 
 
 _COLUMNS = "id, destination, body, headers, ordering_key, created_ms, attempts, next_attempt_ms"
@@ -93,11 +97,21 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
             " RETURNING id, seq, destination, body, headers, ordering_key, attempts"
         )
         mine = " AND lease_owner = :owner"
+        # Owner, not expiry, is the fence: a lease that ran out but was taken by nobody is
+        # still this relay's, and SQLite's single writer orders this UPDATE against a rival's
+        # claim, so exactly one of them gets the row.
+        renew_leases: TextClause | None = text(
+            f"UPDATE {t} SET lease_until_ms = :until_ms WHERE id IN :ids{mine} RETURNING id"
+        ).bindparams(bindparam("ids", expanding=True))
+        delete_leased: TextClause | None = text(
+            f"DELETE FROM {t} WHERE id IN :ids{mine}"
+        ).bindparams(bindparam("ids", expanding=True))
     else:
         claim = text(
             f"SELECT {returned} FROM {t} o WHERE {pick} {order} LIMIT :limit FOR UPDATE SKIP LOCKED"
         )
         mine = ""
+        renew_leases = delete_leased = None
     if name in ("mysql", "mariadb"):
         # MySQL's own bounded DELETE: a range on ix_pending (an IN-subquery may scan the table).
         cleanup = text(f"DELETE FROM {t} WHERE sent_ms < :cutoff_ms ORDER BY sent_ms LIMIT :limit")
@@ -116,7 +130,7 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
             f"SELECT 1 FROM {t} WHERE id = :id UNION ALL SELECT 1 FROM {dead} WHERE id = :id"
         ),
         claim=claim,
-        delete_sent=text(f"DELETE FROM {t} WHERE id IN :ids{mine}").bindparams(
+        delete_sent=text(f"DELETE FROM {t} WHERE id IN :ids").bindparams(
             bindparam("ids", expanding=True)
         ),
         mark_sent=text(
@@ -141,4 +155,6 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         stats=text(f"SELECT COUNT(*), MIN(created_ms) FROM {t} WHERE sent_ms IS NULL"),
         dead_count=text(f"SELECT COUNT(*) FROM {dead}"),
         lease=name == "sqlite",
+        renew_leases=renew_leases,
+        delete_leased=delete_leased,
     )
