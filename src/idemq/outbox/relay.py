@@ -29,11 +29,13 @@ whatever the number of relays. ``seq`` order is commit order for rows of one key
 SQLite has one writer at a time; on MySQL/MariaDB it holds when the writers of a key serialise
 on a row of their own (the business row of that order, say) before they ``add``.
 
-Failures. A refused publish (any error but :class:`~idemq.BrokerUnavailableError`) counts an
-attempt and waits ``backoff_s * 2**attempts`` (at most ``max_backoff_s``); after
-``max_attempts`` the row moves to ``<table>_dead`` with the reason. Until then it holds back the
-later rows of its own key only. An unreachable broker counts no attempt: the batch stops,
-the relay reconnects, and every row waits for it.
+Failures. A refused publish (:class:`~idemq.errors.BrokerRefusedError`: a full queue that
+rejects publishes, no queue or stream for the destination, a body or headers over the broker's
+limits; or any other error but :class:`~idemq.errors.BrokerUnavailableError`) counts an attempt
+and waits ``backoff_s * 2**attempts`` (at most ``max_backoff_s``); after ``max_attempts`` the row
+moves to ``<table>_dead`` with the reason. Until then it holds back the later rows of its own key
+only. An unreachable broker counts no attempt, however long it lasts: the batch stops, the relay
+reconnects, and every row waits for it.
 """
 
 from __future__ import annotations
