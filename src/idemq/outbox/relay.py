@@ -187,6 +187,12 @@ class OutboxRelay:
             result = self._publish(sorted(rows, key=lambda row: int(row.seq)), keeper.fence)
             with engine.begin() as conn:
                 self._settle(conn, sql, result, mine)
+                # The rows an outage stopped the batch before: free at once, not a lease later,
+                # so the broker's return is not followed by a lease of silence.
+                done = {*result.published, *result.refused, *result.lost}
+                untried = [row_id for row_id in ids if row_id not in done]
+                if untried and sql.release_leases is not None:
+                    conn.execute(sql.release_leases, {"ids": untried, **mine})
         return result
 
     def _publish(

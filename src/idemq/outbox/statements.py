@@ -42,6 +42,7 @@ class Statements:
     # still holds (the fence before a publish), and delete only the rows it still holds.
     renew_leases: TextClause | None = None
     delete_leased: TextClause | None = None
+    release_leases: TextClause | None = None  # rows a batch did not get to (an outage)
 
 
 _COLUMNS = "id, destination, body, headers, ordering_key, created_ms, attempts, next_attempt_ms"
@@ -106,12 +107,15 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         delete_leased: TextClause | None = text(
             f"DELETE FROM {t} WHERE id IN :ids{mine}"
         ).bindparams(bindparam("ids", expanding=True))
+        release_leases: TextClause | None = text(
+            f"UPDATE {t} SET lease_owner = NULL, lease_until_ms = NULL WHERE id IN :ids{mine}"
+        ).bindparams(bindparam("ids", expanding=True))
     else:
         claim = text(
             f"SELECT {returned} FROM {t} o WHERE {pick} {order} LIMIT :limit FOR UPDATE SKIP LOCKED"
         )
         mine = ""
-        renew_leases = delete_leased = None
+        renew_leases = delete_leased = release_leases = None
     if name in ("mysql", "mariadb"):
         # MySQL's own bounded DELETE: a range on ix_pending (an IN-subquery may scan the table).
         cleanup = text(f"DELETE FROM {t} WHERE sent_ms < :cutoff_ms ORDER BY sent_ms LIMIT :limit")
@@ -157,4 +161,5 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         lease=name == "sqlite",
         renew_leases=renew_leases,
         delete_leased=delete_leased,
+        release_leases=release_leases,
     )
