@@ -54,6 +54,7 @@ _HEAD = (
     "(o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {t} p WHERE p.ordering_key ="
     " o.ordering_key AND p.sent_ms IS NULL AND p.seq < o.seq))"
 )
+_IF_NEW = "ON CONFLICT (id) DO NOTHING"
 _PICK = "o.sent_ms IS NULL AND o.next_attempt_ms <= :now_ms AND " + _HEAD
 
 
@@ -73,21 +74,27 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         # One statement: the NOTIFY (sent at commit, so a relay never wakes before the row is
         # visible) and, for a keyed row, a lock on the key held to commit, so two transactions
         # adding rows of one key take seq numbers in the order they commit.
+        # ON CONFLICT DO NOTHING: an id already there adds no row (rowcount 0) and, unlike a
+        # duplicate-key error, leaves the caller's transaction usable; a racing add of the same
+        # id waits for the first one's commit, then adds nothing.
         insert = text(
             f"INSERT INTO {t} ({_COLUMNS}) SELECT {_VALUES} FROM (SELECT pg_notify(:channel, ''))"
-            " AS n"
+            f" AS n {_IF_NEW}"
         )
         insert_keyed = text(
             f"INSERT INTO {t} ({_COLUMNS}) SELECT {_VALUES} FROM (SELECT pg_notify(:channel, ''),"
-            f" pg_advisory_xact_lock({LOCK_SPACE}, hashtext(:ordering_key))) AS n"
+            f" pg_advisory_xact_lock({LOCK_SPACE}, hashtext(:ordering_key))) AS n {_IF_NEW}"
         )
     elif name == "sqlite":
-        # One writer at a time on SQLite: MAX(seq) + 1 is taken under the write lock.
+        # One writer at a time on SQLite: MAX(seq) + 1 is taken under the write lock. (WHERE
+        # true: SQLite's grammar needs it before the ON CONFLICT of an INSERT … SELECT.)
         insert = insert_keyed = text(
             f"INSERT INTO {t} ({_COLUMNS}, seq) SELECT {_VALUES}, COALESCE(MAX(seq), 0) + 1"
-            f" FROM {t}"
+            f" FROM {t} WHERE true {_IF_NEW}"
         )
     else:
+        # A duplicate id fails with 1062, which rolls back only that statement on InnoDB: the
+        # add turns it into "already there" (see outbox.add).
         insert = insert_keyed = text(f"INSERT INTO {t} ({_COLUMNS}) VALUES ({_VALUES})")
     returned = "o.id, o.seq, o.destination, o.body, o.headers, o.ordering_key, o.attempts"
     if name == "sqlite":
