@@ -55,7 +55,13 @@ from idemq._clock import system_clock_ms
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.drivers.sql import translate_db_error
-from idemq.errors import BrokerError, BrokerUnavailableError, StoreError, StoreUnavailableError
+from idemq.errors import (
+    BrokerError,
+    BrokerUnavailableError,
+    ConfigurationError,
+    StoreError,
+    StoreUnavailableError,
+)
 from idemq.outbox.admin import cleanup
 from idemq.outbox.leases import LeaseKeeper
 from idemq.outbox.outbox import Outbox
@@ -256,17 +262,27 @@ class OutboxRelay:
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Relay until ``stop`` is set: full batches back to back, then wait for a NOTIFY
-        (PostgreSQL) or ``poll_s``; an outage of the broker or the store is waited out."""
+        (PostgreSQL) or ``poll_s``; an outage of the broker or the store is waited out. A
+        :class:`~idemq.ConfigurationError` (a store that refuses the login, say) before the
+        first batch is raised instead."""
         stop = stop or threading.Event()
         waiter = _waiter_for(self.outbox)
         outage_s = 0.0
+        started = False
         try:
             while not stop.is_set():
                 try:
                     result = self.run_once()
                     self.cleanup_if_due()
                 except (StoreError, BrokerError) as exc:
+                    if isinstance(exc, ConfigurationError) and not started:
+                        # A refused login, an unknown database or table before the first
+                        # batch: the same settings fail the same way, no wait helps (the CLI
+                        # exits 2). Once running, it is waited out like an outage.
+                        raise
                     result = BatchResult(outage=_as_outage(exc))
+                else:
+                    started = True
                 if result.outage is not None:
                     outage_s = min(max(outage_s * 2, 0.1), 5.0)
                     log.warning("relay waiting %.1fs: %s", outage_s, result.outage)
