@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aio_pika
+import nats
 import pytest
 import sqlalchemy as sa
+from nats.js.api import StreamConfig
 
 import idemq
 from idemq.brokers import open_broker
@@ -52,6 +54,22 @@ def _full_amqp_queue() -> str:
     return name
 
 
+def _small_nats_stream() -> str:
+    """A subject whose stream (someone else's, adopted as it is) takes messages of 1000 bytes."""
+    subject = unique("small")
+
+    async def make() -> None:
+        client = await nats.connect(NATS_URL)
+        try:
+            config = StreamConfig(name=subject, subjects=[subject], max_msg_size=1000)
+            await client.jetstream().add_stream(config)
+        finally:
+            await client.close()
+
+    asyncio.run(make())
+    return subject
+
+
 # (broker, how the refused message looks: made from the good queue's name)
 CASES: dict[str, tuple[str, Callable[[str], Refused]]] = {
     "amqp-full-queue-reject-publish": ("amqp", lambda _q: Refused(_full_amqp_queue())),
@@ -62,6 +80,10 @@ CASES: dict[str, tuple[str, Callable[[str], Refused]]] = {
     "amqp-header-name-over-128-bytes": ("amqp", lambda q: Refused(q, headers={"n" * 129: "v"})),
     "nats-subject-no-stream-captures": ("nats", lambda _q: Refused(unique("nostream"))),
     "nats-body-over-max-payload": ("nats", lambda q: Refused(q, body=TOO_BIG)),
+    "nats-body-over-the-streams-max-msg-size": (
+        "nats",
+        lambda _q: Refused(_small_nats_stream(), body=b"x" * 2000),
+    ),
     "kafka-body-over-the-size-limit": ("kafka", lambda q: Refused(q, body=TOO_BIG)),
 }
 
