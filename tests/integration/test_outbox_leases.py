@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 import idemq
 from idemq.brokers import open_broker
@@ -101,8 +102,10 @@ def test_a_relay_whose_leases_were_taken_over_publishes_and_deletes_none_of_them
 ) -> None:
     # The slow relay's clock is far behind the rival's (a skewed host): every lease it takes or
     # renews is already over in the rival's eyes, so the rival takes the rows over while the
-    # slow relay is stalled in its first publish. That first copy is on its way (it cannot be
-    # called back); every later row must be left to the rival.
+    # slow relay is stalled in its first publish, and stalls in its own first publish too. Then
+    # the slow relay goes on: its first copy is on its way (it cannot be called back), but every
+    # later row, held by the rival now, must be left to the rival, and its delete must not
+    # touch the row the rival holds.
     queue = unique("q")
     skew_ms = 3_600_000
     made = _add(  # due in both relays' eyes
@@ -110,27 +113,41 @@ def test_a_relay_whose_leases_were_taken_over_publishes_and_deletes_none_of_them
         queue,
         5,
     )
-    stalling = StallingBroker(broker)
+    slow_broker, rival_broker = StallingBroker(broker), StallingBroker(broker)
     slow = idemq.OutboxRelay(
         outbox,
-        stalling,  # type: ignore[arg-type]
+        slow_broker,  # type: ignore[arg-type]
         lease_s=LEASE_S,
         clock=lambda: outbox.clock() - skew_ms,
     )
-    rival = idemq.OutboxRelay(outbox, broker, lease_s=3600)
-    thread, results = _stalled(slow)
+    rival = idemq.OutboxRelay(outbox, rival_broker, lease_s=3600)  # type: ignore[arg-type]
+    slow_thread, slow_results = _stalled(slow)
+    rival_thread: threading.Thread | None = None
+    rival_results: list[idemq.BatchResult] = []
     try:
-        assert stalling.entered.wait(30)
-        taken = rival.run_once().published
-        assert sorted(taken) == sorted(made)
+        assert slow_broker.entered.wait(30)
+        rival_thread, rival_results = _stalled(rival)
+        assert rival_broker.entered.wait(30)  # the rival holds all five rows, sending the first
+        slow_broker.release.set()
+        slow_thread.join(60)
+        assert sorted(outbox_stats_ids(outbox)) == sorted(made)  # nothing deleted by the slow one
     finally:
-        stalling.release.set()
-        thread.join(60)
+        slow_broker.release.set()
+        rival_broker.release.set()
+        slow_thread.join(60)
+        if rival_thread is not None:
+            rival_thread.join(60)
         rival.close()
         slow.close()
-    first = results[0]
+    first = slow_results[0]
     assert len(first.published) == 1  # the one publish under way at the takeover
     assert sorted(first.lost) == sorted(set(made) - set(first.published))
+    assert sorted(rival_results[0].published) == sorted(made)
     got = [g[0] for g in drain(broker, queue)]
     assert sorted(got) == sorted([*made, *first.published])  # no other row twice
     assert outbox_stats(outbox).pending == 0
+
+
+def outbox_stats_ids(box: idemq.Outbox) -> list[str]:
+    with box.engine.connect() as conn:
+        return [r[0] for r in conn.execute(sa.text(f"SELECT id FROM {box.table}"))]
