@@ -15,7 +15,7 @@ import sqlalchemy as sa
 import idemq
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
-from idemq.outbox import outbox_stats
+from idemq.outbox import BatchResult, outbox_stats
 from tests.conftest import unique
 from tests.integration.test_outbox import drain
 
@@ -63,8 +63,8 @@ def _add(box: idemq.Outbox, queue: str, count: int) -> list[str]:
         return [box.add(conn, queue, b"%d" % n) for n in range(count)]
 
 
-def _stalled(relay: idemq.OutboxRelay) -> tuple[threading.Thread, list[idemq.BatchResult]]:
-    results: list[idemq.BatchResult] = []
+def _stalled(relay: idemq.OutboxRelay) -> tuple[threading.Thread, list[BatchResult]]:
+    results: list[BatchResult] = []
     thread = threading.Thread(target=lambda: results.append(relay.run_once()))
     thread.start()
     return thread, results
@@ -123,7 +123,7 @@ def test_a_relay_whose_leases_were_taken_over_publishes_and_deletes_none_of_them
     rival = idemq.OutboxRelay(outbox, rival_broker, lease_s=3600)  # type: ignore[arg-type]
     slow_thread, slow_results = _stalled(slow)
     rival_thread: threading.Thread | None = None
-    rival_results: list[idemq.BatchResult] = []
+    rival_results: list[BatchResult] = []
     try:
         assert slow_broker.entered.wait(30)
         rival_thread, rival_results = _stalled(rival)
