@@ -12,6 +12,7 @@ from pathlib import Path
 import aio_pika
 import nats
 import pytest
+import redis
 import sqlalchemy as sa
 from nats.js.api import StreamConfig
 
@@ -20,7 +21,7 @@ from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.errors import BrokerRefusedError
 from idemq.outbox import outbox_stats
-from tests.conftest import require_service, unique
+from tests.conftest import REDIS_URL, require_service, unique
 from tests.integration.brokers.test_kafka import tansu  # noqa: F401 - the Kafka fixture
 from tests.integration.test_outbox_relay import receive
 
@@ -70,6 +71,17 @@ def _small_nats_stream() -> str:
     return subject
 
 
+def _redis_string_key() -> str:
+    """A key of someone else's holding a string: no stream can be appended to it."""
+    name = unique("string")
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.set(name, "not a stream", ex=600)
+    finally:
+        client.close()
+    return name
+
+
 # (broker, how the refused message looks: made from the good queue's name)
 CASES: dict[str, tuple[str, Callable[[str], Refused]]] = {
     "amqp-full-queue-reject-publish": ("amqp", lambda _q: Refused(_full_amqp_queue())),
@@ -85,6 +97,7 @@ CASES: dict[str, tuple[str, Callable[[str], Refused]]] = {
         lambda _q: Refused(_small_nats_stream(), body=b"x" * 2000),
     ),
     "kafka-body-over-the-size-limit": ("kafka", lambda q: Refused(q, body=TOO_BIG)),
+    "redis-destination-a-key-of-another-type": ("redis", lambda _q: Refused(_redis_string_key())),
 }
 
 
@@ -94,8 +107,9 @@ def case(request: pytest.FixtureRequest) -> tuple[str, Callable[[str], Refused]]
     if kind == "kafka":
         bootstrap: str = request.getfixturevalue("tansu")
         return f"kafka://{bootstrap}?session_timeout_ms=2000", make
-    require_service("rabbitmq" if kind == "amqp" else "nats")
-    return (AMQP_URL if kind == "amqp" else NATS_URL), make
+    service = {"amqp": "rabbitmq", "nats": "nats", "redis": "redis"}[kind]
+    require_service(service)
+    return {"amqp": AMQP_URL, "nats": NATS_URL, "redis": REDIS_URL}[kind], make
 
 
 @pytest.fixture
