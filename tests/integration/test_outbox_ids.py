@@ -5,6 +5,7 @@ concurrent adds under one caller's id make one row and no error, and derived ids
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,3 +135,38 @@ def test_handlers_whose_joined_parts_collide_add_two_messages(
         assert guard.process(message, handler).status is idemq.Status.PROCESSED
     assert len(set(seen)) == 2
     assert sorted(rows(outbox)) == sorted(seen)
+
+
+@pytest.mark.parametrize("url", [PG_URL, MYSQL_URL], ids=["postgres", "mysql"])
+def test_concurrent_async_adds_under_one_callers_id_make_one_row_and_no_error(url: str) -> None:
+    require_service("postgres" if url == PG_URL else "mysql")
+    name = unique("ob")
+    store = idemq.AsyncSqlStore(url)
+    box = idemq.AsyncOutbox(store, table=name)
+
+    async def scenario() -> list[object]:
+        await box.create_schema()
+        start = asyncio.Barrier(8)
+
+        async def add() -> object:
+            try:
+                async with store.engine.begin() as conn:
+                    await start.wait()
+                    return await box.add(conn, "shipments", b"once", message_id="ONE-ID")
+            except Exception as exc:  # every outcome is collected and asserted
+                return exc
+
+        try:
+            return list(await asyncio.gather(*(add() for _ in range(8))))
+        finally:
+            await store.engine.dispose()
+
+    answers = asyncio.run(scenario())
+    sync_store = idemq.SqlStore(url)
+    sync_box = idemq.Outbox(sync_store, table=name)
+    try:
+        assert answers == ["ONE-ID"] * 8
+        assert rows(sync_box) == ["ONE-ID"]
+    finally:
+        sync_box.drop_schema()
+        sync_store.close()
