@@ -15,10 +15,10 @@ import sqlalchemy as sa
 
 import idemq
 from idemq.brokers import open_broker
-from idemq.outbox import outbox_stats
+from idemq.outbox import outbox_stats, retry_dead
 from idemq.outbox.ids import derived_id
 from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
-from tests.integration.test_outbox import drain, rows
+from tests.integration.test_outbox import RefusingBroker, drain, rows
 
 
 @pytest.fixture
@@ -170,3 +170,31 @@ def test_concurrent_async_adds_under_one_callers_id_make_one_row_and_no_error(ur
     finally:
         sync_box.drop_schema()
         sync_store.close()
+
+
+def test_a_dead_row_whose_id_a_later_run_took_again_is_not_moved_back(
+    outbox: idemq.Outbox, tmp_path: Path
+) -> None:
+    guard = idemq.Idempotency(outbox.store, consumer="pay")
+    bad = unique("bad")
+    made: list[str] = []
+
+    def pay(tx: sa.Connection) -> None:
+        made.append(outbox.add(tx, bad, b"ship o1"))
+
+    message = "PAY_20240115143000123_NODE01_0002"
+    assert guard.process(message, pay).status is idemq.Status.PROCESSED
+    broker = open_broker(f"embedded://{tmp_path / 'queue.db'}")
+    relay = idemq.OutboxRelay(outbox, RefusingBroker(broker, bad), max_attempts=1)  # type: ignore[arg-type]
+    try:
+        assert relay.run_once().dead == made
+    finally:
+        relay.close()
+        broker.close()
+    guard.forget(message)
+    assert guard.process(message, pay).status is idemq.Status.PROCESSED
+    assert made[1] == made[0]  # dead is not waiting: the first id was free
+    with pytest.raises(idemq.InvalidInputError, match="also waiting"):
+        retry_dead(outbox, made[0])
+    stats = outbox_stats(outbox)
+    assert (stats.pending, stats.dead) == (1, 1)  # the dead row kept, not dropped unsent

@@ -89,7 +89,8 @@ def derived_ids() -> Iterator[str] | None:
     """The ids the running handler's next add may take, in order; None outside a handler.
 
     The first is the add's own derived id. The next ones are for a run of a message whose
-    earlier run committed its rows and was then forgotten (``forget``, ``expires_after_s``),
+    earlier run committed its rows, still in the outbox, and was then forgotten (``forget``,
+    ``expires_after_s``),
     or, in lease mode, crashed between its commit and ``complete``: that run is a new one,
     whose message must go out again, under an id of its own. A run rolled back and run again
     finds its first id free (its rows were rolled back too), so it still makes the same ids.

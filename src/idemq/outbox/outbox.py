@@ -107,7 +107,8 @@ class IdTakenError(StoreError):
     row count of 0): thrown into :func:`add_plan`, never raised to the caller."""
 
 
-def _id_taken(exc: DBAPIError) -> bool:
+def id_taken(exc: DBAPIError) -> bool:
+    """Whether ``exc`` is MySQL/MariaDB's duplicate key (1062): the INSERT's id is taken."""
     args: tuple[Any, ...] = getattr(exc.orig, "args", ())
     return isinstance(exc, IntegrityError) and bool(args) and args[0] == MYSQL_DUPLICATE_KEY
 
@@ -212,7 +213,7 @@ class Outbox(OutboxBase):
             try:
                 return conn.execute(*step)
             except DBAPIError as exc:
-                if _id_taken(exc):
+                if id_taken(exc):
                     raise IdTakenError(str(exc.orig)) from exc
                 raise
 
@@ -284,7 +285,7 @@ class AsyncOutbox(OutboxBase):
             try:
                 return await conn.execute(*step)
             except DBAPIError as exc:
-                if _id_taken(exc):
+                if id_taken(exc):
                     raise IdTakenError(str(exc.orig)) from exc
                 raise
 
