@@ -128,6 +128,15 @@ def test_a_relay_whose_leases_were_taken_over_publishes_and_deletes_none_of_them
         assert slow_broker.entered.wait(30)
         rival_thread, rival_results = _stalled(rival)
         assert rival_broker.entered.wait(30)  # the rival holds all five rows, sending the first
+        # The slow relay's renewals go on meanwhile: they must not touch the rival's leases (a
+        # renewal from the lagging clock would end them, and a third relay would take the rows).
+        third = idemq.OutboxRelay(outbox, broker, lease_s=LEASE_S)
+        taken: list[str] = []
+        deadline = time.monotonic() + 3 * LEASE_S
+        while time.monotonic() < deadline:
+            taken += third.run_once().published
+        third.close()
+        assert taken == []
         slow_broker.release.set()
         slow_thread.join(60)
         assert sorted(outbox_stats_ids(outbox)) == sorted(made)  # nothing deleted by the slow one

@@ -8,9 +8,10 @@ Timeline of the double publish this prevents (two relays, one SQLite outbox)::
 
 No crash, no pause of the process: only a publish slower than the lease. So while A publishes,
 a thread renews the leases of the rows A still holds every third of a lease, and right before
-each publish A renews that row's lease once more and publishes it only if it still holds it
-(the fence): a row B took over (A's renewals failed for a whole lease, or A's clock lags B's)
-is left to B. The delete after the confirms removes only the rows A still holds.
+each publish A looks the row up and publishes it only if it still holds it (the fence; a lease
+with less than half its length left is renewed there first): a row B took over (A's renewals
+failed for a whole lease, or A's clock lags B's) is left to B. The delete after the confirms
+removes only the rows A still holds.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ class LeaseKeeper:
         ids: Iterable[str],
     ) -> None:
         assert sql.renew_leases is not None, "leases are SQLite's"
+        assert sql.lease_of is not None, "leases are SQLite's"
         self._engine = engine
         self._renew = sql.renew_leases
+        self._lease_of = sql.lease_of
         self._owner = owner
         self._lease_ms = int(lease_s * 1000)
         self._period_s = lease_s / 3
@@ -77,9 +80,17 @@ class LeaseKeeper:
             return {row.id for row in conn.execute(self._renew, params)}
 
     def fence(self, row_id: str) -> bool:
-        """Renew ``row_id``'s lease right before its publish: False when another relay holds
-        it now (the row is then this relay's no longer: neither published nor deleted by it)."""
-        held = row_id in self._extend([row_id])
+        """Whether this relay still holds ``row_id``, looked up right before its publish: False
+        when another relay holds it now (the row is then this relay's no longer: neither
+        published nor deleted by it). A lease with less than half its length left (renewals
+        lagging) is renewed first, so the publish starts with at least half a lease ahead."""
+        with self._engine.connect() as conn:
+            lease = conn.execute(self._lease_of, {"id": row_id}).first()
+        held = lease is not None and lease.lease_owner == self._owner
+        if lease is not None and held:
+            left_ms = int(lease.lease_until_ms or 0) - self._clock()
+            if left_ms < self._lease_ms // 2:
+                held = row_id in self._extend([row_id])
         if not held:
             with self._lock:
                 self._held.discard(row_id)

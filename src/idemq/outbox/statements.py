@@ -43,6 +43,7 @@ class Statements:
     renew_leases: TextClause | None = None
     delete_leased: TextClause | None = None
     release_leases: TextClause | None = None  # rows a batch did not get to (an outage)
+    lease_of: TextClause | None = None  # who holds a row's lease, until when
 
 
 _COLUMNS = "id, destination, body, headers, ordering_key, created_ms, attempts, next_attempt_ms"
@@ -114,6 +115,9 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         delete_leased: TextClause | None = text(
             f"DELETE FROM {t} WHERE id IN :ids{mine}"
         ).bindparams(bindparam("ids", expanding=True))
+        lease_of: TextClause | None = text(
+            f"SELECT lease_owner, lease_until_ms FROM {t} WHERE id = :id"
+        )
         release_leases: TextClause | None = text(
             f"UPDATE {t} SET lease_owner = NULL, lease_until_ms = NULL WHERE id IN :ids{mine}"
         ).bindparams(bindparam("ids", expanding=True))
@@ -122,7 +126,7 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
             f"SELECT {returned} FROM {t} o WHERE {pick} {order} LIMIT :limit FOR UPDATE SKIP LOCKED"
         )
         mine = ""
-        renew_leases = delete_leased = release_leases = None
+        renew_leases = delete_leased = release_leases = lease_of = None
     if name in ("mysql", "mariadb"):
         # MySQL's own bounded DELETE: a range on ix_pending (an IN-subquery may scan the table).
         cleanup = text(f"DELETE FROM {t} WHERE sent_ms < :cutoff_ms ORDER BY sent_ms LIMIT :limit")
@@ -169,4 +173,5 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         renew_leases=renew_leases,
         delete_leased=delete_leased,
         release_leases=release_leases,
+        lease_of=lease_of,
     )
