@@ -24,6 +24,7 @@ public API: they are translated at the boundary and kept as ``__cause__``.
     │   └── LockNotOwnedError                   release/extend of a lock this owner no longer holds
     ├── BrokerError                             a message broker failed or was misused
     │   ├── BrokerUnavailableError              … it could not be reached or dropped the connection
+    │   ├── BrokerRefusedError                  … it answered a publish with no (full, too big …)
     │   └── AlreadySettledError                 a delivery was acked/retried/dead-lettered twice
     └── ClockMovedBackwardsError                the wall clock stepped back past the tolerated drift
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 __all__ = [
     "AlreadySettledError",
     "BrokerError",
+    "BrokerRefusedError",
     "BrokerUnavailableError",
     "ClockMovedBackwardsError",
     "ConfigurationError",
@@ -166,6 +168,16 @@ class BrokerError(IdemqError):
 
 class BrokerUnavailableError(BrokerError):
     """The broker could not be reached or dropped the connection; the worker reconnects."""
+
+
+class BrokerRefusedError(BrokerError):
+    """The broker was reached and refused the message: a full queue that rejects publishes, no
+    queue or stream to take it, a body or headers over the broker's limits.
+
+    Not an outage: publishing the same message again meets the same answer until someone
+    changes the broker or the message, so the outbox relay counts it as an attempt (and
+    dead-letters the row after ``max_attempts``) where an outage only makes it wait.
+    """
 
 
 class AlreadySettledError(BrokerError):

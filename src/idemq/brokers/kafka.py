@@ -47,7 +47,7 @@ from idemq.brokers.base import (
     header_text,
     outgoing_headers,
 )
-from idemq.errors import BrokerUnavailableError, ConfigurationError
+from idemq.errors import BrokerRefusedError, BrokerUnavailableError, ConfigurationError
 
 __all__ = ["KafkaBroker"]
 
@@ -213,9 +213,14 @@ class KafkaBroker:
         headers: Mapping[str, str] | None = None,
         message_id: str | None = None,
     ) -> None:
-        """Produce one record (key = message id) and wait until the broker acknowledged it."""
+        """Produce one record (key = message id) and wait until the broker acknowledged it.
+
+        A record over the size limits (the producer's ``message.max.bytes``, the topic's or the
+        broker's), an invalid record or topic, or a topic this client may not write raises
+        :class:`~idemq.errors.BrokerRefusedError`: producing it again would meet the same answer.
+        """
         all_headers = outgoing_headers(headers, message_id)
-        self._produce(queue, body, all_headers, key=message_id)
+        self._produce(queue, body, all_headers, key=message_id, refusals=_REFUSALS)
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
         """Poll ``queue`` (adopted or created first: :meth:`declare`); copies scheduled for later
@@ -341,8 +346,15 @@ class KafkaBroker:
         return KafkaDelivery(self, received, partition=record.partition(), offset=record.offset())
 
     def _produce(
-        self, topic: str, body: bytes, headers: Mapping[str, str], key: str | None = None
+        self,
+        topic: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        key: str | None = None,
+        refusals: frozenset[int] = frozenset(),
     ) -> None:
+        """Produce and wait for the delivery report; an error whose code is in ``refusals``
+        raises :class:`BrokerRefusedError`, any other :class:`BrokerUnavailableError`."""
         errors: list[Any] = []
         with self._produce_lock:
             try:
@@ -355,14 +367,15 @@ class KafkaBroker:
                 )
                 self._producer.flush(self.timeout_s)
             except (confluent_kafka.KafkaException, BufferError) as exc:
-                self._renew_if_fatal(exc.args[0] if exc.args else None)
-                raise BrokerUnavailableError(f"Kafka: produce failed: {exc}") from exc
+                error = exc.args[0] if exc.args else None
+                self._renew_if_fatal(error)
+                raise _produce_error(error, refusals, f"Kafka: produce failed: {exc}") from exc
             if errors and errors[0] is not None:
                 self._renew_if_fatal(errors[0])
         if not errors:
             raise BrokerUnavailableError(f"Kafka: no delivery report within {self.timeout_s}s")
         if errors[0] is not None:
-            raise BrokerUnavailableError(f"Kafka: produce failed: {errors[0]}")
+            raise _produce_error(errors[0], refusals, f"Kafka: produce failed: {errors[0]}")
 
     # used by KafkaDelivery ---------------------------------------------------------------------
 
@@ -377,6 +390,24 @@ class KafkaBroker:
         )
         key = delivery.message.id if delivery.message else uuid.uuid4().hex
         self._produce(delivery.queue, delivery.body, headers, key=key)
+
+
+# What a broker (or the producer, checking first) answers a record it will never take.
+_REFUSALS = frozenset(
+    {
+        confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE,
+        confluent_kafka.KafkaError.RECORD_LIST_TOO_LARGE,
+        confluent_kafka.KafkaError.INVALID_RECORD,
+        confluent_kafka.KafkaError.TOPIC_EXCEPTION,
+        confluent_kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    }
+)
+
+
+def _produce_error(error: Any, refusals: frozenset[int], text: str) -> Exception:
+    if isinstance(error, confluent_kafka.KafkaError) and error.code() in refusals:
+        return BrokerRefusedError(text)
+    return BrokerUnavailableError(text)
 
 
 _TRANSIENT_POLL_ERRORS = frozenset(

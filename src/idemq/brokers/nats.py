@@ -57,7 +57,7 @@ from idemq.brokers.base import (
     outgoing_headers,
 )
 from idemq.drivers.urls import mask_url
-from idemq.errors import BrokerUnavailableError, ConfigurationError
+from idemq.errors import BrokerRefusedError, BrokerUnavailableError, ConfigurationError
 
 __all__ = ["NatsBroker"]
 
@@ -228,11 +228,38 @@ class NatsBroker:
         headers: Mapping[str, str] | None = None,
         message_id: str | None = None,
     ) -> None:
-        """Publish with ``Nats-Msg-Id`` (server-side dedup window) and wait for the PubAck."""
+        """Publish with ``Nats-Msg-Id`` (server-side dedup window) and wait for the PubAck.
+
+        A subject no stream captures, a body over the server's ``max_payload`` and a message the
+        stream answers with a 4xx error (over its ``max_msg_size``, say) raise
+        :class:`~idemq.errors.BrokerRefusedError`: the same publish would meet the same answer.
+        """
         all_headers = outgoing_headers(headers, message_id)
         if message_id is not None:
             all_headers[NATS_MSG_ID] = message_id
-        self._call(self._js.publish(queue, body, headers=all_headers or None))
+
+        async def acked() -> None:
+            try:
+                await self._js.publish(queue, body, headers=all_headers or None)
+            except nats.errors.MaxPayloadError as exc:
+                raise BrokerRefusedError(
+                    f"NATS: {len(body)} bytes to {queue!r} is over the server's max_payload"
+                    f" ({self._nc.max_payload} bytes)"
+                ) from exc
+            except nats.js.errors.NoStreamResponseError as exc:
+                # "No responders" also answers while JetStream is not there at all (a server
+                # restarting): a refusal only when the server says no stream has the subject.
+                if await self._captured_by(queue) is None:
+                    raise BrokerRefusedError(
+                        f"NATS: no JetStream stream captures the subject {queue!r}"
+                    ) from exc
+                raise
+            except nats.js.errors.APIError as exc:
+                if isinstance(exc.code, int) and 400 <= exc.code < 500:
+                    raise BrokerRefusedError(f"NATS JetStream refused {queue!r}: {exc}") from exc
+                raise
+
+        self._call(acked())
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
         """Fetch up to ``prefetch`` messages per round trip from the durable pull consumer."""

@@ -47,6 +47,7 @@ import aio_pika
 import aiormq
 import aiormq.abc
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from pamqp import frame, header
 
 from idemq.brokers._aioloop import AckQueue, Inbox, LoopThread
 from idemq.brokers.base import (
@@ -60,7 +61,11 @@ from idemq.brokers.base import (
     outgoing_headers,
     split_query,
 )
-from idemq.errors import BrokerError, BrokerUnavailableError, ConfigurationError
+from idemq.errors import (
+    BrokerRefusedError,
+    BrokerUnavailableError,
+    ConfigurationError,
+)
 
 __all__ = ["RabbitMQBroker"]
 
@@ -105,6 +110,19 @@ def _refusal(exc: Exception, url: str) -> Exception:
 
 
 AMQP_MESSAGE_ID_MAX_BYTES = 255  # message-id is an AMQP short string
+AMQP_HEADER_NAME_MAX_BYTES = 128  # a field-table name (pamqp cuts longer ones silently)
+AMQP_FRAME_MAX = 131072  # RabbitMQ's default frame_max
+
+
+def _check_header_names(headers: Mapping[str, Any]) -> None:
+    """Refuse a header name longer than AMQP allows: cut short it would arrive as another
+    header (two long names could even become one)."""
+    for name in headers:
+        if len(name.encode("utf-8", "surrogatepass")) > AMQP_HEADER_NAME_MAX_BYTES:
+            raise BrokerRefusedError(
+                f"AMQP header names are at most {AMQP_HEADER_NAME_MAX_BYTES} bytes:"
+                f" {name[:40]!r}… has {len(name.encode('utf-8', 'surrogatepass'))}"
+            )
 
 
 def _amqp_message_id(message_id: str | None) -> str | None:
@@ -261,28 +279,59 @@ class RabbitMQBroker:
         """Publish persistently through the default exchange and wait for the confirm.
 
         The publish is ``mandatory``: a message no queue takes (``queue`` not declared yet) is
-        returned by RabbitMQ instead of dropped, and raised here as :class:`BrokerError`
-        (not an outage: publishing it again would meet the same fate).
+        returned by RabbitMQ instead of dropped. That, a ``basic.nack`` (a full queue with
+        ``x-overflow=reject-publish``), a header name over AMQP's 128 bytes and headers over the
+        connection's frame size are raised as :class:`~idemq.errors.BrokerRefusedError`, not an
+        outage: publishing the message again would meet the same fate.
         """
         all_headers: dict[str, Any] = dict(outgoing_headers(headers, message_id))
+        _check_header_names(all_headers)
         message = aio_pika.Message(
             body,
             headers=all_headers,
             message_id=_amqp_message_id(message_id),
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
-        answer = self._call(
-            self._channel.default_exchange.publish(
-                message, routing_key=queue, mandatory=True, timeout=self.confirm_timeout_s
-            )
-        )
+        self._check_header_frame(message)
+
+        async def confirmed() -> Any:
+            try:
+                return await self._channel.default_exchange.publish(
+                    message, routing_key=queue, mandatory=True, timeout=self.confirm_timeout_s
+                )
+            except aiormq.exceptions.DeliveryError as exc:
+                raise BrokerRefusedError(
+                    f"RabbitMQ refused the message for {queue!r} (basic.nack: a full queue"
+                    f" that rejects publishes, or a queue that failed): {exc}"
+                ) from exc
+
+        answer = self._call(confirmed())
         # With confirms, aio_pika answers a returned (unroutable) message with the message
         # itself instead of the broker's Basic.Ack.
         if isinstance(answer, aiormq.abc.DeliveredMessage):
-            raise BrokerError(
+            raise BrokerRefusedError(
                 f"RabbitMQ returned the message: no queue {queue!r} to route it to"
                 " (declare the queue, or start its worker, before publishing)"
             )
+
+    def _check_header_frame(self, message: aio_pika.Message) -> None:
+        """Refuse properties that do not fit one frame: RabbitMQ would close the whole
+        connection (FRAME_ERROR), failing every publish in flight on it, and the same message
+        would do it again on the next connection."""
+        size = len(frame.marshal(header.ContentHeader(0, len(message.body), message.properties), 1))
+        frame_max = self._frame_max()
+        if size > frame_max:
+            raise BrokerRefusedError(
+                f"RabbitMQ: the message's properties and headers take {size} bytes, over the"
+                f" connection's frame size of {frame_max} bytes"
+            )
+
+    def _frame_max(self) -> int:
+        """The frame size negotiated with RabbitMQ (its default when not connected yet)."""
+        transport = self._connection.transport
+        tune = getattr(transport.connection, "connection_tune", None) if transport else None
+        frame_max = getattr(tune, "frame_max", 0)
+        return frame_max if isinstance(frame_max, int) and frame_max > 0 else AMQP_FRAME_MAX
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
         """Push-consume ``queue`` with ``prefetch`` unacked messages at most."""

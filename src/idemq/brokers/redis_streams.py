@@ -50,7 +50,7 @@ from idemq.brokers.base import (
 from idemq.brokers.settlement import Ack, Settlement
 from idemq.drivers.redis import AnyRedis, is_cluster, key_slot, redis_client
 from idemq.drivers.urls import mask_url
-from idemq.errors import BrokerUnavailableError, ConfigurationError
+from idemq.errors import BrokerRefusedError, BrokerUnavailableError, ConfigurationError
 
 __all__ = ["RedisStreamsBroker"]
 
@@ -168,8 +168,18 @@ class RedisStreamsBroker:
         headers: Mapping[str, str] | None = None,
         message_id: str | None = None,
     ) -> None:
-        """``XADD`` one entry (acknowledged by Redis when this returns)."""
-        self._call(self.client.xadd, queue, _fields(body, headers or {}, message_id))
+        """``XADD`` one entry (acknowledged by Redis when this returns).
+
+        Redis refusing the command (``queue`` is a key of another type, say) raises
+        :class:`~idemq.errors.BrokerRefusedError`; a server out of memory or read-only (a
+        replica during a failover) is an outage, :class:`~idemq.errors.BrokerUnavailableError`.
+        """
+        try:
+            self._call(self.client.xadd, queue, _fields(body, headers or {}, message_id))
+        except (rx.OutOfMemoryError, rx.ReadOnlyError) as exc:
+            raise BrokerUnavailableError(f"Redis: {type(exc).__name__}: {exc}") from exc
+        except rx.ResponseError as exc:
+            raise BrokerRefusedError(f"Redis refused XADD to {queue!r}: {exc}") from exc
 
     def consume(self, queue: str, *, prefetch: int = 1) -> Iterator[Delivery | None]:
         """Reclaim idle pending entries first, then read new ones (``prefetch`` per round trip)."""

@@ -10,7 +10,8 @@ from sqlalchemy import inspect
 from sqlalchemy.exc import DBAPIError
 
 from idemq.drivers.sql import translate_db_error
-from idemq.outbox.outbox import Outbox
+from idemq.errors import InvalidInputError
+from idemq.outbox.outbox import Outbox, id_taken
 
 __all__ = ["OutboxStats", "cleanup", "outbox_report", "outbox_stats", "retry_dead"]
 
@@ -69,22 +70,31 @@ def retry_dead(outbox: Outbox, message_id: str) -> bool:
             if row is None:
                 return False
             insert = sql.insert if row.ordering_key is None else sql.insert_keyed
-            conn.execute(
-                insert,
-                {
-                    "id": row.id,
-                    "destination": row.destination,
-                    "body": bytes(row.body),
-                    "headers": row.headers,
-                    "ordering_key": row.ordering_key,
-                    "now_ms": now,
-                    "channel": sql.channel,
-                },
-            )
+            params = {
+                "id": row.id,
+                "destination": row.destination,
+                "body": bytes(row.body),
+                "headers": row.headers,
+                "ordering_key": row.ordering_key,
+                "now_ms": now,
+                "channel": sql.channel,
+            }
+            # The insert adds nothing for an id already waiting (a later run of the message
+            # took it again after a forget): the dead row is then kept, not dropped unsent.
+            if conn.execute(insert, params).rowcount != 1:
+                raise _already_waiting(outbox, message_id)
             conn.execute(sql.delete_dead, {"id": message_id})
             return True
     except DBAPIError as exc:
+        if id_taken(exc):
+            raise _already_waiting(outbox, message_id) from exc
         raise translate_db_error(exc, f"retry of {message_id!r} in {outbox.table}") from exc
+
+
+def _already_waiting(outbox: Outbox, message_id: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"{message_id!r} is dead and also waiting (or kept) in {outbox.table}: not moved back"
+    )
 
 
 def outbox_report(store: Any, table: str) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """The id of an outgoing message: derived inside a guarded handler, generated outside one.
 
 Inside a handler the id is a function of (consumer, incoming message id, index of the add in
-this run): the run rolled back and ran again (a redelivery after a crash) adds the *same* ids,
+this run, and a generation when a committed earlier run of the message holds that id): the run
+rolled back and ran again (a redelivery after a crash) adds the *same* ids,
 so if the first run's rows had been published somehow, the next consumer's dedup row still
 catches the republish. Outside a handler nothing repeats, so ids come from a
 :class:`~idemq.MessageIdGenerator` whose node is unique per process (see :func:`process_node`).
@@ -9,17 +10,19 @@ catches the republish. Outside a handler nothing repeats, so ids come from a
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
 import threading
 import uuid
 import zlib
+from collections.abc import Iterator
 
 from idemq.guard.context import current_message
 from idemq.ids.generator import MessageIdGenerator
 
-__all__ = ["OUTBOX_ID_PREFIX", "next_outbox_id", "process_node"]
+__all__ = ["OUTBOX_ID_PREFIX", "derived_id", "derived_ids", "next_outbox_id", "process_node"]
 
 OUTBOX_ID_PREFIX = "OUTBOX"
 
@@ -66,16 +69,40 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_IDS.reset)
 
 
-def derived_id(consumer: str, message_id: str, index: int | str) -> str:
-    """``OUTBOX-<uuid5>`` of the three parts (44 characters). ``index``: the add's number in
-    the handler's run, or a name of the caller's for messages made outside it."""
-    name = f"{consumer}\x1f{message_id}\x1f{index}"
+def derived_id(consumer: str, message_id: str, index: int | str, generation: int = 0) -> str:
+    """``OUTBOX-<uuid5>`` of the parts (44 characters, however long they are). ``index``: the
+    add's number in the handler's run, or a name of the caller's for messages made outside it;
+    ``generation``: 1, 2 … for a run whose earlier ids are taken (see :func:`derived_ids`).
+
+    Each part goes into the hash prefixed with its length, so different parts never make one
+    name: joined with a separator, consumer ``"a\x1fb"`` with message ``"c"`` and consumer
+    ``"a"`` with message ``"b\x1fc"`` would share an id, and one message's effect be lost.
+    """
+    parts = [consumer, message_id, str(index)]
+    if generation:
+        parts.append(str(generation))
+    name = "".join(f"{len(part)}:{part}" for part in parts)
     return f"{OUTBOX_ID_PREFIX}-{uuid.uuid5(_NAMESPACE, name)}"
+
+
+def derived_ids() -> Iterator[str] | None:
+    """The ids the running handler's next add may take, in order; None outside a handler.
+
+    The first is the add's own derived id. The next ones are for a run of a message whose
+    earlier run committed its rows, still in the outbox, and was then forgotten (``forget``,
+    ``expires_after_s``),
+    or, in lease mode, crashed between its commit and ``complete``: that run is a new one,
+    whose message must go out again, under an id of its own. A run rolled back and run again
+    finds its first id free (its rows were rolled back too), so it still makes the same ids.
+    """
+    context = current_message()
+    if context is None:
+        return None
+    consumer, message_id, index = context.consumer, context.message_id, context.next_index()
+    return (derived_id(consumer, message_id, index, n) for n in itertools.count())
 
 
 def next_outbox_id() -> str:
     """The id of the next outgoing message of the running code (see the module docstring)."""
-    context = current_message()
-    if context is None:
-        return _IDS.next_id()
-    return derived_id(context.consumer, context.message_id, context.next_index())
+    found = derived_ids()
+    return _IDS.next_id() if found is None else next(found)

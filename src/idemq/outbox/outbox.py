@@ -7,20 +7,22 @@ plan (:func:`add_plan`, one INSERT); only the way the statement is executed diff
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Connection, Dialect, Engine, TextClause
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from idemq._clock import system_clock_ms
 from idemq._plan import Plan, adrive, drive
 from idemq.drivers.sql import driver_reports_aborts, transaction_aborted, translate_db_error
-from idemq.errors import ConfigurationError, InvalidInputError, TransactionLostError
-from idemq.outbox.ids import next_outbox_id
+from idemq.errors import ConfigurationError, InvalidInputError, StoreError, TransactionLostError
+from idemq.outbox.ids import derived_ids, next_outbox_id
 from idemq.outbox.schema import (
     DEFAULT_TABLE,
     adopt_or_create,
@@ -35,6 +37,8 @@ __all__ = ["AsyncOutbox", "Outbox", "OutboxBase", "add_plan"]
 
 MAX_KEY_LENGTH = 128
 MAX_DESTINATION_LENGTH = 255
+MAX_GENERATIONS = 1000  # runs of one message whose rows are all still there: not a real case
+MYSQL_DUPLICATE_KEY = 1062
 
 Step = tuple[TextClause, dict[str, Any]]
 
@@ -51,7 +55,10 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
     """Check the message, take its id, INSERT it; the answer is the id.
 
     With a ``message_id`` of the caller's, a row that already has it (waiting, kept after its
-    send, or dead) is not added again: the caller can add the same message more than once.
+    send, or dead, or added by a racing transaction) is not added again, and that is no error:
+    the caller can add the same message more than once. Inside a handler the id is derived
+    (:func:`~idemq.outbox.ids.derived_ids`): one that a committed earlier run of the message
+    holds is passed over for the next one.
     """
     if not isinstance(destination, str) or not 0 < len(destination) <= MAX_DESTINATION_LENGTH:
         raise InvalidInputError(f"outbox destination must be 1..255 characters: {destination!r}")
@@ -63,14 +70,8 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
         raise InvalidInputError(f"ordering_key must be 1..128 characters: {ordering_key!r}")
     if headers and not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
         raise InvalidInputError("outbox headers must map str to str")
-    if message_id is None:
-        message_id = next_outbox_id()
-    elif not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_KEY_LENGTH:
-        raise InvalidInputError(f"outbox message_id must be 1..128 characters: {message_id!r}")
-    elif (yield sql.has_id, {"id": message_id}).first() is not None:
-        return message_id
+    statement = sql.insert if ordering_key is None else sql.insert_keyed
     params = {
-        "id": message_id,
         "destination": destination,
         "body": bytes(body),
         "headers": json.dumps(dict(headers)) if headers else None,
@@ -78,8 +79,38 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
         "now_ms": now_ms,
         "channel": sql.channel,
     }
-    yield (sql.insert if ordering_key is None else sql.insert_keyed), params
-    return message_id
+    if message_id is not None:
+        if not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_KEY_LENGTH:
+            raise InvalidInputError(f"outbox message_id must be 1..128 characters: {message_id!r}")
+        if (yield sql.has_id, {"id": message_id}).first() is None:
+            # A racing add of the same id that committed first: it is there, once.
+            with contextlib.suppress(IdTakenError):
+                yield statement, {**params, "id": message_id}
+        return message_id
+    candidates = derived_ids()
+    if candidates is None:  # outside a handler: a fresh id of this process
+        fresh = next_outbox_id()
+        yield statement, {**params, "id": fresh}
+        return fresh
+    for candidate in itertools.islice(candidates, MAX_GENERATIONS):
+        try:
+            reply = yield statement, {**params, "id": candidate}
+        except IdTakenError:
+            continue
+        if reply.rowcount:
+            return candidate
+    raise StoreError(f"outbox add: {MAX_GENERATIONS} derived ids of this message are all taken")
+
+
+class IdTakenError(StoreError):
+    """An INSERT found its id taken (MySQL/MariaDB's 1062; the other databases say it with a
+    row count of 0): thrown into :func:`add_plan`, never raised to the caller."""
+
+
+def id_taken(exc: DBAPIError) -> bool:
+    """Whether ``exc`` is MySQL/MariaDB's duplicate key (1062): the INSERT's id is taken."""
+    args: tuple[Any, ...] = getattr(exc.orig, "args", ())
+    return isinstance(exc, IntegrityError) and bool(args) and args[0] == MYSQL_DUPLICATE_KEY
 
 
 class OutboxBase:
@@ -188,8 +219,17 @@ class Outbox(OutboxBase):
             self.clock(),
             message_id,
         )
+
+        def execute(step: Step) -> Any:
+            try:
+                return conn.execute(*step)
+            except DBAPIError as exc:
+                if id_taken(exc):
+                    raise IdTakenError(str(exc.orig)) from exc
+                raise
+
         try:
-            return drive(plan, lambda step: conn.execute(*step))
+            return drive(plan, execute)
         except DBAPIError as exc:
             raise self._failed(exc) from exc
 
@@ -256,7 +296,12 @@ class AsyncOutbox(OutboxBase):
         )
 
         async def execute(step: Step) -> Any:
-            return await conn.execute(*step)
+            try:
+                return await conn.execute(*step)
+            except DBAPIError as exc:
+                if id_taken(exc):
+                    raise IdTakenError(str(exc.orig)) from exc
+                raise
 
         try:
             return await adrive(plan, execute)

@@ -14,7 +14,11 @@ consumer's dedup row absorbs the copy. Relays running side by side skip each oth
 rows, so none is published twice except after such a crash.
 
 SQLite has no row locks: a batch first leases its rows (``lease_owner``/``lease_until_ms`` in
-one short write transaction), publishes, then deletes only the rows it still holds.
+one short write transaction), publishes, then deletes only the rows it still holds. While it
+publishes it keeps the leases (renewed every third of ``lease_s``), and right before each publish
+it renews that row's lease and publishes it only if it still holds it
+(:class:`~idemq.outbox.leases.LeaseKeeper`): a publish slower than the lease does not let another
+relay send the same rows.
 
 Ordering. A row is claimable only when no earlier (lower ``seq``) unsent row of its
 ``ordering_key`` exists in the claiming statement's view. Relay B, looking while relay A holds
@@ -25,11 +29,13 @@ whatever the number of relays. ``seq`` order is commit order for rows of one key
 SQLite has one writer at a time; on MySQL/MariaDB it holds when the writers of a key serialise
 on a row of their own (the business row of that order, say) before they ``add``.
 
-Failures. A refused publish (any error but :class:`~idemq.BrokerUnavailableError`) counts an
-attempt and waits ``backoff_s * 2**attempts`` (at most ``max_backoff_s``); after
-``max_attempts`` the row moves to ``<table>_dead`` with the reason. Until then it holds back the
-later rows of its own key only. An unreachable broker counts no attempt: the batch stops,
-the relay reconnects, and every row waits for it.
+Failures. A refused publish (:class:`~idemq.errors.BrokerRefusedError`: a full queue that
+rejects publishes, no queue or stream for the destination, a body or headers over the broker's
+limits; or any other error but :class:`~idemq.errors.BrokerUnavailableError`) counts an attempt
+and waits ``backoff_s * 2**attempts`` (at most ``max_backoff_s``); after ``max_attempts`` the row
+moves to ``<table>_dead`` with the reason. Until then it holds back the later rows of its own key
+only. An unreachable broker counts no attempt, however long it lasts: the batch stops, the relay
+reconnects, and every row waits for it.
 """
 
 from __future__ import annotations
@@ -49,8 +55,15 @@ from idemq._clock import system_clock_ms
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.drivers.sql import translate_db_error
-from idemq.errors import BrokerError, BrokerUnavailableError, StoreError, StoreUnavailableError
+from idemq.errors import (
+    BrokerError,
+    BrokerUnavailableError,
+    ConfigurationError,
+    StoreError,
+    StoreUnavailableError,
+)
 from idemq.outbox.admin import cleanup
+from idemq.outbox.leases import LeaseKeeper
 from idemq.outbox.outbox import Outbox
 from idemq.outbox.statements import Statements
 
@@ -68,6 +81,7 @@ class BatchResult:
     retried: list[str] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
     refused: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (attempts, reason)
+    lost: list[str] = field(default_factory=list)  # SQLite: leases another relay took over
     outage: BrokerUnavailableError | None = None
 
     def merge(self, other: BatchResult) -> None:
@@ -77,6 +91,7 @@ class BatchResult:
         self.retried += other.retried
         self.dead += other.dead
         self.refused.update(other.refused)
+        self.lost += other.lost
         self.outage = other.outage or self.outage
 
 
@@ -168,17 +183,36 @@ class OutboxRelay:
         now = self.clock()
         mine = {"owner": self.owner}
         params = {**mine, "now_ms": now, "until_ms": now + int(self.lease_s * 1000)}
-        with self.outbox.engine.begin() as conn:
+        engine = self.outbox.engine
+        with engine.begin() as conn:
             rows = conn.execute(sql.claim, {**params, "limit": self.batch_size}).all()
-        result = self._publish(sorted(rows, key=lambda row: int(row.seq)))
-        with self.outbox.engine.begin() as conn:
-            self._settle(conn, sql, result, mine)
+        ids = [row.id for row in rows]
+        # Kept until the settle has committed: a lease running out between the last confirm
+        # and the delete would let another relay publish a row already sent.
+        with LeaseKeeper(engine, sql, self.owner, self.lease_s, self.clock, ids) as keeper:
+            result = self._publish(sorted(rows, key=lambda row: int(row.seq)), keeper.fence)
+            with engine.begin() as conn:
+                self._settle(conn, sql, result, mine)
+                # The rows an outage stopped the batch before: free at once, not a lease later,
+                # so the broker's return is not followed by a lease of silence.
+                done = {*result.published, *result.refused, *result.lost}
+                untried = [row_id for row_id in ids if row_id not in done]
+                if untried and sql.release_leases is not None:
+                    conn.execute(sql.release_leases, {"ids": untried, **mine})
         return result
 
-    def _publish(self, rows: Sequence[Row[Any]]) -> BatchResult:
+    def _publish(
+        self, rows: Sequence[Row[Any]], fence: Callable[[str], bool] | None = None
+    ) -> BatchResult:
+        """Publish ``rows`` in order; ``fence`` (SQLite) says whether a row is still this
+        relay's right before its publish."""
         result = BatchResult(claimed=len(rows))
         broker = self._open_broker()
         for row in rows:
+            if fence is not None and not fence(row.id):
+                result.lost.append(row.id)
+                log.warning("outbox row %s was taken over by another relay; left to it", row.id)
+                continue
             try:
                 headers = json.loads(row.headers) if row.headers else {}
                 broker.publish(row.destination, bytes(row.body), headers=headers, message_id=row.id)
@@ -204,8 +238,10 @@ class OutboxRelay:
         if result.published:
             if self.keep_sent_s > 0:
                 conn.execute(sql.mark_sent, {"ids": result.published, "now_ms": now, **mine})
+            elif sql.delete_leased is not None:
+                conn.execute(sql.delete_leased, {"ids": result.published, **mine})
             else:
-                conn.execute(sql.delete_sent, {"ids": result.published, **mine})
+                conn.execute(sql.delete_sent, {"ids": result.published})
         for row_id in result.retried:
             attempts, reason = result.refused[row_id]
             delay_s = min(self.backoff_s * 2**attempts, self.max_backoff_s)
@@ -226,17 +262,27 @@ class OutboxRelay:
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Relay until ``stop`` is set: full batches back to back, then wait for a NOTIFY
-        (PostgreSQL) or ``poll_s``; an outage of the broker or the store is waited out."""
+        (PostgreSQL) or ``poll_s``; an outage of the broker or the store is waited out. A
+        :class:`~idemq.ConfigurationError` (a store that refuses the login, say) before the
+        first batch is raised instead."""
         stop = stop or threading.Event()
         waiter = _waiter_for(self.outbox)
         outage_s = 0.0
+        started = False
         try:
             while not stop.is_set():
                 try:
                     result = self.run_once()
                     self.cleanup_if_due()
                 except (StoreError, BrokerError) as exc:
+                    if isinstance(exc, ConfigurationError) and not started:
+                        # A refused login, an unknown database or table before the first
+                        # batch: the same settings fail the same way, no wait helps (the CLI
+                        # exits 2). Once running, it is waited out like an outage.
+                        raise
                     result = BatchResult(outage=_as_outage(exc))
+                else:
+                    started = True
                 if result.outage is not None:
                     outage_s = min(max(outage_s * 2, 0.1), 5.0)
                     log.warning("relay waiting %.1fs: %s", outage_s, result.outage)

@@ -38,6 +38,12 @@ class Statements:
     stats: TextClause
     dead_count: TextClause
     lease: bool  # SQLite: claims are leases on the rows, not row locks
+    # SQLite only (None elsewhere): extend this relay's leases on :ids, returning the ids it
+    # still holds (the fence before a publish), and delete only the rows it still holds.
+    renew_leases: TextClause | None = None
+    delete_leased: TextClause | None = None
+    release_leases: TextClause | None = None  # rows a batch did not get to (an outage)
+    lease_of: TextClause | None = None  # who holds a row's lease, until when
 
 
 _COLUMNS = "id, destination, body, headers, ordering_key, created_ms, attempts, next_attempt_ms"
@@ -49,6 +55,7 @@ _HEAD = (
     "(o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {t} p WHERE p.ordering_key ="
     " o.ordering_key AND p.sent_ms IS NULL AND p.seq < o.seq))"
 )
+_IF_NEW = "ON CONFLICT (id) DO NOTHING"
 _PICK = "o.sent_ms IS NULL AND o.next_attempt_ms <= :now_ms AND " + _HEAD
 
 
@@ -68,21 +75,27 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         # One statement: the NOTIFY (sent at commit, so a relay never wakes before the row is
         # visible) and, for a keyed row, a lock on the key held to commit, so two transactions
         # adding rows of one key take seq numbers in the order they commit.
+        # ON CONFLICT DO NOTHING: an id already there adds no row (rowcount 0) and, unlike a
+        # duplicate-key error, leaves the caller's transaction usable; a racing add of the same
+        # id waits for the first one's commit, then adds nothing.
         insert = text(
             f"INSERT INTO {t} ({_COLUMNS}) SELECT {_VALUES} FROM (SELECT pg_notify(:channel, ''))"
-            " AS n"
+            f" AS n {_IF_NEW}"
         )
         insert_keyed = text(
             f"INSERT INTO {t} ({_COLUMNS}) SELECT {_VALUES} FROM (SELECT pg_notify(:channel, ''),"
-            f" pg_advisory_xact_lock({LOCK_SPACE}, hashtext(:ordering_key))) AS n"
+            f" pg_advisory_xact_lock({LOCK_SPACE}, hashtext(:ordering_key))) AS n {_IF_NEW}"
         )
     elif name == "sqlite":
-        # One writer at a time on SQLite: MAX(seq) + 1 is taken under the write lock.
+        # One writer at a time on SQLite: MAX(seq) + 1 is taken under the write lock. (WHERE
+        # true: SQLite's grammar needs it before the ON CONFLICT of an INSERT … SELECT.)
         insert = insert_keyed = text(
             f"INSERT INTO {t} ({_COLUMNS}, seq) SELECT {_VALUES}, COALESCE(MAX(seq), 0) + 1"
-            f" FROM {t}"
+            f" FROM {t} WHERE true {_IF_NEW}"
         )
     else:
+        # A duplicate id fails with 1062, which rolls back only that statement on InnoDB: the
+        # add turns it into "already there" (see outbox.add).
         insert = insert_keyed = text(f"INSERT INTO {t} ({_COLUMNS}) VALUES ({_VALUES})")
     returned = "o.id, o.seq, o.destination, o.body, o.headers, o.ordering_key, o.attempts"
     if name == "sqlite":
@@ -93,11 +106,27 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
             " RETURNING id, seq, destination, body, headers, ordering_key, attempts"
         )
         mine = " AND lease_owner = :owner"
+        # Owner, not expiry, is the fence: a lease that ran out but was taken by nobody is
+        # still this relay's, and SQLite's single writer orders this UPDATE against a rival's
+        # claim, so exactly one of them gets the row.
+        renew_leases: TextClause | None = text(
+            f"UPDATE {t} SET lease_until_ms = :until_ms WHERE id IN :ids{mine} RETURNING id"
+        ).bindparams(bindparam("ids", expanding=True))
+        delete_leased: TextClause | None = text(
+            f"DELETE FROM {t} WHERE id IN :ids{mine}"
+        ).bindparams(bindparam("ids", expanding=True))
+        lease_of: TextClause | None = text(
+            f"SELECT lease_owner, lease_until_ms FROM {t} WHERE id = :id"
+        )
+        release_leases: TextClause | None = text(
+            f"UPDATE {t} SET lease_owner = NULL, lease_until_ms = NULL WHERE id IN :ids{mine}"
+        ).bindparams(bindparam("ids", expanding=True))
     else:
         claim = text(
             f"SELECT {returned} FROM {t} o WHERE {pick} {order} LIMIT :limit FOR UPDATE SKIP LOCKED"
         )
         mine = ""
+        renew_leases = delete_leased = release_leases = lease_of = None
     if name in ("mysql", "mariadb"):
         # MySQL's own bounded DELETE: a range on ix_pending (an IN-subquery may scan the table).
         cleanup = text(f"DELETE FROM {t} WHERE sent_ms < :cutoff_ms ORDER BY sent_ms LIMIT :limit")
@@ -116,7 +145,7 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
             f"SELECT 1 FROM {t} WHERE id = :id UNION ALL SELECT 1 FROM {dead} WHERE id = :id"
         ),
         claim=claim,
-        delete_sent=text(f"DELETE FROM {t} WHERE id IN :ids{mine}").bindparams(
+        delete_sent=text(f"DELETE FROM {t} WHERE id IN :ids").bindparams(
             bindparam("ids", expanding=True)
         ),
         mark_sent=text(
@@ -141,4 +170,8 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         stats=text(f"SELECT COUNT(*), MIN(created_ms) FROM {t} WHERE sent_ms IS NULL"),
         dead_count=text(f"SELECT COUNT(*) FROM {dead}"),
         lease=name == "sqlite",
+        renew_leases=renew_leases,
+        delete_leased=delete_leased,
+        release_leases=release_leases,
+        lease_of=lease_of,
     )
