@@ -96,6 +96,16 @@ def load_handler(spec: str) -> Handler:
         raise ConfigurationError(f"handler must look like MODULE:HANDLER, got {spec!r}")
     try:
         target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot load handler {spec!r}: {exc}") from exc
+    except Exception as exc:
+        # The module was found but raised while importing (a SyntaxError, a NameError, a failed
+        # connection at import time): a mistake in the handler's code like any other, so one
+        # line naming the module and the error (exit 2), not an unexpected traceback.
+        raise ConfigurationError(
+            f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
         for attr in attr_path.split("."):
             target = getattr(target, attr)
     except (ImportError, AttributeError) as exc:
