@@ -13,7 +13,8 @@
   the broker itself dead-letters land next to ours. Our own dead letters are published there
   with the reason headers (confirmed) *then* acked: a crash between the two leaves a duplicate
   in the DLQ, never a loss — with or without a DLX on the queue. RabbitMQ's DLX cannot add a
-  reason, hence the explicit publish.
+  reason, hence the explicit publish. The copy is ``mandatory``: if no queue takes it (the
+  dead-letter queue was deleted), RabbitMQ returns it, and the original is requeued, not acked.
 * No ``x-delivery-limit``: redeliveries of IN_PROGRESS and store-outage messages must not
   count towards a limit (RabbitMQ 4 defaults it to 20 — set the policy off there).
 * The id is the AMQP ``message_id`` property, else the ``idemq-message-id`` header. Producers
@@ -359,16 +360,24 @@ class RabbitMQBroker:
     async def publish_copy(
         self, routing_key: str, body: bytes, headers: Mapping[str, Any], message_id: str | None
     ) -> None:
-        """Publish persistently to ``routing_key`` and wait for the confirm (runs on the loop)."""
+        """Publish persistently to ``routing_key`` and wait for the confirm (runs on the loop).
+
+        ``mandatory``: without it RabbitMQ confirms a message no queue took (a dead-letter
+        queue deleted while the worker runs) and drops it, and the caller would ack the
+        original: a lost message. A returned copy raises :class:`BrokerError` instead, so the
+        caller keeps the original (requeues it).
+        """
         message = aio_pika.Message(
             body,
             headers=dict(headers),
             message_id=_amqp_message_id(message_id),
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
-        await self._channel.default_exchange.publish(
-            message, routing_key=routing_key, timeout=self.confirm_timeout_s
+        answer = await self._channel.default_exchange.publish(
+            message, routing_key=routing_key, mandatory=True, timeout=self.confirm_timeout_s
         )
+        if isinstance(answer, aiormq.abc.DeliveredMessage):  # returned: no queue took it
+            raise BrokerError(f"RabbitMQ returned the copy: no queue {routing_key!r} to take it")
 
 
 class RabbitMQDelivery(Delivery):
