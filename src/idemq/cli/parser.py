@@ -42,6 +42,7 @@ from idemq.errors import (
     ConfigurationError,
     IdemqError,
     InvalidInputError,
+    StoreConfigurationError,
     StoreError,
 )
 
@@ -371,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except StoreConfigurationError as exc:  # before StoreError: the same settings fail again
+        return _report(exc, "store refused the setup", EXIT_USAGE, log_format)
     except (ConfigurationError, InvalidInputError) as exc:
         return _report(exc, "error", EXIT_USAGE, log_format)
     except StoreError as exc:
