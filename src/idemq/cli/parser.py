@@ -276,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         metavar="S",
         help="exit 4 after S seconds of broker outage (default: 30 at start-up, then never)",
     )
+    worker.add_argument(
+        "--log-error-text",
+        action="store_true",
+        help="log a failing handler's exception text and traceback (default: its class and"
+        " where it was raised only, as the text may quote the payload)",
+    )
     _add_log_format(worker)
     _add_store_naming(worker)
 
