@@ -115,6 +115,7 @@ class KafkaBroker:
         clock_ms: Callable[[], int] = _now_ms,
         declare: str = "auto",
         dead_letter: str | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         # librdkafka refuses a poll interval below the session timeout; its default is 5 min.
         poll_ms = max_poll_interval_ms or max(300_000, session_timeout_ms)
@@ -128,6 +129,11 @@ class KafkaBroker:
         self.declare_mode = check_declare_mode(declare)
         self.dead_letter = dead_letter
         self.timeout_s = timeout_s
+        # How long the first answer (topic metadata) is waited for: a worker's outage budget
+        # (--give-up-after) bounds it, so one attempt cannot outlast the time to give up.
+        self.connect_timeout_s = (
+            timeout_s if connect_timeout_s is None else min(connect_timeout_s, timeout_s)
+        )
         self.session_timeout_ms = session_timeout_ms
         self.max_poll_interval_ms = poll_ms
         self._clock_ms = clock_ms
@@ -148,13 +154,16 @@ class KafkaBroker:
 
         Optional: ``max_poll_interval_ms`` (default 300000, never below the session timeout),
         ``timeout_ms`` (how long a publish waits for its delivery report, default 10000),
-        ``client_id``, ``declare=auto|never`` and ``dead_letter=TOPIC`` (see :meth:`declare`).
+        ``client_id``, ``declare=auto|never`` and ``dead_letter=TOPIC`` (see :meth:`declare`),
+        ``connect_timeout_ms`` (how long the first metadata answer is waited for, at most and by
+        default ``timeout_ms``).
         """
         parts = urlsplit(url)
         query = {key: values[0] for key, values in parse_qs(parts.query).items()}
         if not parts.netloc:
             raise ConfigurationError(f"Kafka URL needs host:port: {url!r}")
         poll_ms = _int_param(query, "max_poll_interval_ms", url)
+        connect_ms = _int_param(query, "connect_timeout_ms", url)
         return cls(
             parts.netloc,
             group=query.get("group"),
@@ -164,6 +173,7 @@ class KafkaBroker:
             client_id=query.get("client_id"),
             declare=query.get("declare", "auto"),
             dead_letter=query.get("dead_letter"),
+            connect_timeout_s=None if connect_ms is None else connect_ms / 1000,
         )
 
     def dead_letter_queue(self, queue: str) -> str:
@@ -177,7 +187,7 @@ class KafkaBroker:
         admin = AdminClient(dict(self._client))
         names = [queue, self.dead_letter_queue(queue)]
         try:
-            existing = admin.list_topics(timeout=self.timeout_s).topics
+            existing = admin.list_topics(timeout=self.connect_timeout_s).topics
         except confluent_kafka.KafkaException as exc:
             raise BrokerUnavailableError(f"Kafka: cannot read the topics: {exc}") from exc
         missing = [name for name in names if name not in existing]
@@ -240,11 +250,12 @@ class KafkaBroker:
         try:
             # librdkafka retries an unreachable cluster silently, forever: ask for metadata
             # first, so a worker that cannot reach Kafka says so instead of logging "ready".
-            consumer.list_topics(timeout=self.timeout_s)
+            consumer.list_topics(timeout=self.connect_timeout_s)
         except confluent_kafka.KafkaException as exc:
             self._close_consumer()
             raise BrokerUnavailableError(
-                f"Kafka: no broker at {self.bootstrap} answered within {self.timeout_s}s: {exc}"
+                f"Kafka: no broker at {self.bootstrap} answered within"
+                f" {self.connect_timeout_s}s: {exc}"
             ) from exc
         consumer.subscribe([queue])
         held: list[tuple[int, int, KafkaDelivery]] = []  # (due_ms, tiebreak, delivery)

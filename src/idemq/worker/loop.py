@@ -197,6 +197,7 @@ class Worker:
         """Deliveries, each pulled only once a slot is free; reconnects after broker failures."""
         ready = False
         while not self.stopping.is_set():
+            self.outage.attempting()
             stream = self.broker.consume(self.queue, prefetch=self.prefetch)
             try:
                 while not self.stopping.is_set():

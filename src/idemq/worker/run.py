@@ -250,10 +250,17 @@ def _open_broker(url: str, give_up_after_s: float | None, **options: str | None)
     (default 30 s)."""
     outage = Outage(_startup_budget_s(give_up_after_s), threading.Event())
     while True:
+        left_s = outage.attempting()
         try:
-            return open_broker(url, **options)
+            return open_broker(url, connect_timeout_s=_attempt_bound_s(left_s), **options)
         except BrokerUnavailableError as exc:
             outage.failed(exc, f"connecting to {mask_url(url)}")
+
+
+def _attempt_bound_s(left_s: float | None) -> float | None:
+    """How long one connect attempt may wait: what is left of the outage budget, at least a
+    moment (an attempt with no time at all could never succeed), None without a budget."""
+    return None if left_s is None else max(left_s, 0.5)
 
 
 def _open_relay(store: object, table: str, broker_url: str) -> idemq.OutboxRelay:
