@@ -156,3 +156,15 @@ def test_publish_refuses_a_business_id_the_guard_would_refuse(tmp_path: Path):
     done = _publish_with(tmp_path, "--business-id", "b" * 65)
     assert done.returncode == 2, done.stderr
     assert _queued(tmp_path) == 0
+
+
+def test_an_invalid_id_is_refused_before_the_broker_is_even_reached():
+    unreachable = "amqp://guest:guest@127.0.0.1:1/"
+    done = subprocess.run(
+        [IDEMQ, "publish", "--broker", unreachable, "--queue", "q", "--id", "X" * 200, "body"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr  # not 4: nothing was tried

@@ -136,6 +136,11 @@ def publish(
 
     For many messages keep a :class:`Publisher` open instead of reconnecting each time.
     """
+    # Refused before connecting: an id no consumer could take is the caller's mistake (exit 2)
+    # whether or not the broker is reachable.
+    if message_id is not None:
+        validate_message_id(message_id)
+    validate_business_id(business_id)
     with Publisher(broker_url, prefix=prefix, attempts=attempts) as publisher:
         return publisher.publish(
             queue, body, message_id=message_id, business_id=business_id, headers=headers
