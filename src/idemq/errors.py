@@ -17,6 +17,8 @@ public API: they are translated at the boundary and kept as ``__cause__``.
     ├── ConfigurationError                      a mistake in how idemq was set up
     ├── StoreError                              the dedup store failed
     │   ├── StoreUnavailableError               … because it could not be reached or timed out
+    │   ├── StoreConfigurationError             … it refused this setup: login, database, table
+    │   │                                           (also a ConfigurationError)
     │   └── StoreConflictError                  … a transient conflict (deadlock); safe to retry
     │       └── TransactionLostError            the dedup row is not in what would commit
     ├── LeaseLostError                          a lease expired and another worker took over
@@ -48,6 +50,7 @@ __all__ = [
     "LockNotOwnedError",
     "PayloadMismatchError",
     "ResultNotSerializableError",
+    "StoreConfigurationError",
     "StoreConflictError",
     "StoreError",
     "StoreUnavailableError",
@@ -125,6 +128,16 @@ class StoreUnavailableError(StoreError):
     """The dedup store could not be reached, or the operation timed out.
 
     Nothing was acknowledged: the message must be retried (nack/requeue) once the store is back.
+    """
+
+
+class StoreConfigurationError(StoreError, ConfigurationError):
+    """The store answered, and refused this setup: a refused login, an unknown database, a
+    missing table (a mistyped ``--table``, a schema never created).
+
+    Not an outage: the same settings fail the same way however often they are retried, so the
+    CLI exits 2 with one line instead of 4. Not the message's fault either: a running worker
+    retries the message without counting the attempt, until the setup is fixed.
     """
 
 

@@ -34,6 +34,7 @@ from idemq.stores.sql.versions import (
     TableUpgrade,
     build_version_table,
     run_upgrade,
+    upgrade_lock,
 )
 from idemq.stores.sql.versions import plan_upgrade as plan_table_upgrade
 
@@ -119,8 +120,15 @@ def upgrade_schema(
     """Bring the tables :func:`plan_upgrade` names to the current version in place (online
     DDL: writers keep going), recording each table's version; ``dry_run``: only plan. Safe to
     run twice: the second run finds nothing to build. Returns the plans."""
-    plans = plan_upgrade(store, outbox_table=outbox_table)
-    if not dry_run:
+    if dry_run:
+        return plan_upgrade(store, outbox_table=outbox_table)
+    # Planned only once the lock is held: a plan made beside another upgrade would run the DDL
+    # that upgrade is running (see upgrade_lock).
+    with (
+        translated(f"wait for other schema upgrades of {store.where}"),
+        upgrade_lock(store.engine, store.table.schema),
+    ):
+        plans = plan_upgrade(store, outbox_table=outbox_table)
         for plan in plans:
             if plan.needed:
                 with translated(f"upgrade table {plan.table} in {store.where}"):

@@ -103,3 +103,35 @@ def test_cli_demo_cleans_up_unless_keep(tmp_path: Path, keep: bool) -> None:
     assert len(left) == (1 if keep else 0), left
     assert max(len(line) for line in done.stdout.splitlines()) <= 72
     assert "every order paid exactly once" in done.stdout
+
+
+def _rendered(report: DemoReport) -> str:
+    console = Console(width=120, record=True, color_system=None)
+    render_report(report, console)
+    return " ".join(re.sub(r"[│┃]", " ", console.export_text()).split())
+
+
+def test_each_mode_explains_its_own_counts() -> None:
+    guarded = sample_report()
+    unguarded = DemoReport(
+        **{
+            **guarded.__dict__,
+            "guard": False,
+            "outcomes": {"processed": 160},
+            "duplicates_suppressed": 0,
+            "double_paid": 19,
+            "payments": 139,
+            "shipments": 141,
+            "double_shipped": 21,
+        }
+    )
+    with_idemq, without = _rendered(guarded), _rendered(unguarded)
+    assert "dedup row answers that copy DUPLICATE" in with_idemq
+    assert "(17) is at most the duplicates delivered" in with_idemq
+    # --no-guard ran no dedup row: its page must not claim one answered, and says what happened.
+    assert "DUPLICATE" not in without
+    assert "dedup row answers" not in without
+    assert "is at most the duplicates delivered" not in without
+    assert "without idemq the ship consumer has no dedup row" in without
+    assert "21 orders shipped more than once" in without
+    assert "19 orders paid more than once" in without

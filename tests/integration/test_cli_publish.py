@@ -122,3 +122,49 @@ def test_publish_to_a_rabbitmq_queue_nobody_declared_exits_4_and_says_so(tmp_pat
     finally:
         broker.delete_queue(queue)
         broker.close()
+
+
+def _publish_with(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    url = f"embedded:///{tmp_path / 'q.db'}"
+    return subprocess.run(
+        [IDEMQ, "publish", "--broker", url, "--queue", "q", *extra, "body"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _queued(tmp_path: Path) -> int:
+    broker = EmbeddedBroker(tmp_path / "q.db")
+    try:
+        return broker.depth("q")
+    finally:
+        broker.close()
+
+
+def test_publish_refuses_an_id_every_consumer_would_dead_letter(tmp_path: Path):
+    # 10 KB of id: the guard refuses it (> 128 characters), so every consumer dead-letters it.
+    done = _publish_with(tmp_path, "--id", "X" * 10_000)
+    assert done.returncode == 2, done.stderr
+    assert "10000 characters, the maximum is 128" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert _queued(tmp_path) == 0  # nothing reached the queue
+
+
+def test_publish_refuses_a_business_id_the_guard_would_refuse(tmp_path: Path):
+    done = _publish_with(tmp_path, "--business-id", "b" * 65)
+    assert done.returncode == 2, done.stderr
+    assert _queued(tmp_path) == 0
+
+
+def test_an_invalid_id_is_refused_before_the_broker_is_even_reached():
+    unreachable = "amqp://guest:guest@127.0.0.1:1/"
+    done = subprocess.run(
+        [IDEMQ, "publish", "--broker", unreachable, "--queue", "q", "--id", "X" * 200, "body"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr  # not 4: nothing was tried

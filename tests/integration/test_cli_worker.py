@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from idemq.brokers.embedded import EmbeddedBroker
@@ -15,6 +16,7 @@ from idemq.brokers.embedded import EmbeddedBroker
 IDEMQ = str(Path(sys.executable).with_name("idemq"))
 
 HANDLER = """
+import pytest
 import sqlalchemy as sa
 
 def handle(msg, tx):
@@ -69,3 +71,41 @@ def test_worker_runs_a_handler_from_the_current_directory(tmp_path: Path):
     assert code == 0, log.read_text()
     assert "idemq worker ready" in log.read_text()
     assert rows == ["A", "B"]
+
+
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        ("def handle(msg, tx)\n    return 1\n", "SyntaxError"),
+        ("raise RuntimeError('no config here')\n", "RuntimeError: no config here"),
+        ("import sqlalchemy\nundefined_name + 1\n", "NameError"),
+    ],
+    ids=["syntax-error", "raises-at-import", "name-error"],
+)
+def test_a_handler_module_that_fails_to_import_is_one_line_and_exit_2(
+    tmp_path: Path, source: str, error: str
+):
+    (tmp_path / "broken_handlers.py").write_text(source)
+    done = subprocess.run(
+        [
+            IDEMQ,
+            "worker",
+            "broken_handlers:handle",
+            "--broker",
+            f"embedded:///{tmp_path / 'q.db'}",
+            "--queue",
+            "orders",
+            "--store",
+            f"sqlite:///{tmp_path / 'shop.db'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr  # no traceback
+    assert "broken_handlers" in lines[0]
+    assert error in lines[0]

@@ -46,6 +46,7 @@ EXPECTED = {
     "SqlStore",
     "StateMachine",
     "Status",
+    "StoreConfigurationError",
     "StoreConflictError",
     "StoreError",
     "StoreUnavailableError",

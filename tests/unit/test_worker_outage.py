@@ -58,3 +58,14 @@ def test_an_answer_starts_the_next_outage_afresh_and_none_never_gives_up():
     outage.failed(BrokerUnavailableError("down"), "consuming q")
     assert stop.waits[-1] == 1.0
     assert outage.attempts == 1
+
+
+def test_the_budget_runs_from_the_first_attempt_not_from_its_failure():
+    # A Kafka or NATS connect attempt waits out its timeout before failing: counted from the
+    # failure, --give-up-after 3 took two 10 s attempts (22 s).
+    now = [0.0]
+    outage = Outage(3.0, FakeStop(now), clock=lambda: now[0])
+    assert outage.attempting() == 3.0  # the whole budget is this attempt's bound
+    now[0] = 3.0  # the attempt used it all, then failed
+    with pytest.raises(BrokerUnavailableError, match=r"gave up after 1 attempt in 3\.0s"):
+        outage.failed(BrokerUnavailableError("connect timed out"), "connecting")

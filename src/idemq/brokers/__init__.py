@@ -33,7 +33,17 @@ SCHEMES: dict[str, tuple[str, str, str]] = {
 _WITH_TOPOLOGY_OPTIONS = ("amqp", "amqps", "nats", "kafka", "redis", "rediss")
 
 
-def open_broker(url: str, *, declare: str | None = None, dead_letter: str | None = None) -> Broker:
+# Brokers whose connect can outlast a short outage budget (10 s by default): they take a bound.
+_WITH_CONNECT_TIMEOUT = ("kafka", "nats")
+
+
+def open_broker(
+    url: str,
+    *,
+    declare: str | None = None,
+    dead_letter: str | None = None,
+    connect_timeout_s: float | None = None,
+) -> Broker:
     """Connect to the broker named by ``url``'s scheme (``amqp``, ``kafka``, ``nats``, ``redis``,
     ``mqtt``, ``embedded``).
 
@@ -41,6 +51,10 @@ def open_broker(url: str, *, declare: str | None = None, dead_letter: str | None
     and ``dead_letter`` (the dead-letter queue, subject, topic or stream) are the URL's
     ``?declare=…`` and ``?dead_letter=…`` (RabbitMQ, NATS, Kafka and Redis Streams; MQTT has
     nothing to declare: its session is the subscription).
+
+    ``connect_timeout_s``: how long one connect attempt may wait (Kafka's first metadata
+    answer, NATS's connect; the other clients fail faster on their own), so a worker's
+    ``--give-up-after`` is not outlasted by a single attempt.
     """
     scheme = urlsplit(url).scheme.lower()
     if scheme not in SCHEMES:
@@ -56,6 +70,8 @@ def open_broker(url: str, *, declare: str | None = None, dead_letter: str | None
                 f" not of {scheme!r}"
             )
         url = with_query(url, {k: v for k, v in options.items() if v is not None})
+    if connect_timeout_s is not None and scheme in _WITH_CONNECT_TIMEOUT:
+        url = with_query(url, {"connect_timeout_ms": str(max(1, round(connect_timeout_s * 1000)))})
     module_name, class_name, extra = SCHEMES[scheme]
     try:
         module = importlib.import_module(module_name)

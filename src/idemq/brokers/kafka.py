@@ -6,7 +6,8 @@ Kafka has offsets, not per-message acks, so settlement is built on top:
   the first delivery not yet settled; a consumer that dies re-reads everything after it (the
   guard turns what was already done into DUPLICATEs). Commits run on the consuming thread,
   without waiting for the broker's answer (a later commit covers a failed one), except the last
-  one before the consumer leaves the group.
+  one before the consumer leaves the group, which waits and names the point of every partition
+  it holds (see :class:`_Offsets`).
 * **Retry** = re-publish a copy to the same topic with ``idemq-not-before-ms`` = now + delay and
   ``idemq-delivery-attempt`` (+ 1 after a failed handler run only: a store outage or a busy
   lease keeps the number, so it never dead-letters), then count the original as settled. The
@@ -62,12 +63,22 @@ def _now_ms() -> int:
 
 
 class _Offsets:
-    """Settled offsets per partition; the commit point is the first gap (thread-safe)."""
+    """Settled offsets per partition; the commit point is the first gap (thread-safe).
+
+    Per partition: the offsets received and not yet settled, and the highest offset settled so
+    far. The commit point is the lowest unsettled offset, or, with none, one past the highest
+    settled: handlers finish out of order (``--concurrency``, batches), and the offset settled
+    last is not always the highest. The point only ever grows, and is kept after a commit, so
+    the last commit before leaving the group can name every partition's point again: one whose
+    earlier commit was lost or is still in flight is made good there.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], set[int]] = {}  # received, not settled
-        self._settled: dict[tuple[str, int], int] = {}  # highest offset safe to commit + 1
+        self._high: dict[tuple[str, int], int] = {}  # highest settled offset + 1
+        self._point: dict[tuple[str, int], int] = {}  # commit point: first unsettled offset
+        self._taken: dict[tuple[str, int], int] = {}  # the point last handed to a commit
 
     def received(self, topic: str, partition: int, offset: int) -> None:
         with self._lock:
@@ -75,18 +86,32 @@ class _Offsets:
 
     def settled(self, topic: str, partition: int, offset: int) -> None:
         with self._lock:
-            pending = self._pending.setdefault((topic, partition), set())
-            pending.discard(offset)
-            # Everything below the lowest still-pending offset is settled.
-            candidate = min(pending) if pending else offset + 1
             key = (topic, partition)
-            self._settled[key] = max(self._settled.get(key, 0), candidate)
+            pending = self._pending.setdefault(key, set())
+            pending.discard(offset)
+            self._high[key] = max(self._high.get(key, 0), offset + 1)
+            candidate = min(pending) if pending else self._high[key]
+            self._point[key] = max(self._point.get(key, 0), candidate)
 
     def take(self) -> list[confluent_kafka.TopicPartition]:
+        """The points that moved since the last take (what a commit while consuming sends)."""
         with self._lock:
-            ready = [confluent_kafka.TopicPartition(t, p, o) for (t, p), o in self._settled.items()]
-            self._settled.clear()
-        return ready
+            ready = {k: o for k, o in self._point.items() if o > self._taken.get(k, -1)}
+            self._taken.update(ready)
+        return [confluent_kafka.TopicPartition(t, p, o) for (t, p), o in ready.items()]
+
+    def every_point(
+        self, assigned: list[confluent_kafka.TopicPartition]
+    ) -> list[confluent_kafka.TopicPartition]:
+        """The point of every partition in ``assigned`` (the last commit before leaving)."""
+        with self._lock:
+            points = {
+                (tp.topic, tp.partition): self._point[(tp.topic, tp.partition)]
+                for tp in assigned
+                if (tp.topic, tp.partition) in self._point
+            }
+            self._taken.update(points)
+        return [confluent_kafka.TopicPartition(t, p, o) for (t, p), o in points.items()]
 
 
 def _log_failed_commit(error: Any, offsets: list[confluent_kafka.TopicPartition]) -> None:
@@ -115,6 +140,7 @@ class KafkaBroker:
         clock_ms: Callable[[], int] = _now_ms,
         declare: str = "auto",
         dead_letter: str | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         # librdkafka refuses a poll interval below the session timeout; its default is 5 min.
         poll_ms = max_poll_interval_ms or max(300_000, session_timeout_ms)
@@ -128,6 +154,11 @@ class KafkaBroker:
         self.declare_mode = check_declare_mode(declare)
         self.dead_letter = dead_letter
         self.timeout_s = timeout_s
+        # How long the first answer (topic metadata) is waited for: a worker's outage budget
+        # (--give-up-after) bounds it, so one attempt cannot outlast the time to give up.
+        self.connect_timeout_s = (
+            timeout_s if connect_timeout_s is None else min(connect_timeout_s, timeout_s)
+        )
         self.session_timeout_ms = session_timeout_ms
         self.max_poll_interval_ms = poll_ms
         self._clock_ms = clock_ms
@@ -148,13 +179,16 @@ class KafkaBroker:
 
         Optional: ``max_poll_interval_ms`` (default 300000, never below the session timeout),
         ``timeout_ms`` (how long a publish waits for its delivery report, default 10000),
-        ``client_id``, ``declare=auto|never`` and ``dead_letter=TOPIC`` (see :meth:`declare`).
+        ``client_id``, ``declare=auto|never`` and ``dead_letter=TOPIC`` (see :meth:`declare`),
+        ``connect_timeout_ms`` (how long the first metadata answer is waited for, at most and by
+        default ``timeout_ms``).
         """
         parts = urlsplit(url)
         query = {key: values[0] for key, values in parse_qs(parts.query).items()}
         if not parts.netloc:
             raise ConfigurationError(f"Kafka URL needs host:port: {url!r}")
         poll_ms = _int_param(query, "max_poll_interval_ms", url)
+        connect_ms = _int_param(query, "connect_timeout_ms", url)
         return cls(
             parts.netloc,
             group=query.get("group"),
@@ -164,6 +198,7 @@ class KafkaBroker:
             client_id=query.get("client_id"),
             declare=query.get("declare", "auto"),
             dead_letter=query.get("dead_letter"),
+            connect_timeout_s=None if connect_ms is None else connect_ms / 1000,
         )
 
     def dead_letter_queue(self, queue: str) -> str:
@@ -177,7 +212,7 @@ class KafkaBroker:
         admin = AdminClient(dict(self._client))
         names = [queue, self.dead_letter_queue(queue)]
         try:
-            existing = admin.list_topics(timeout=self.timeout_s).topics
+            existing = admin.list_topics(timeout=self.connect_timeout_s).topics
         except confluent_kafka.KafkaException as exc:
             raise BrokerUnavailableError(f"Kafka: cannot read the topics: {exc}") from exc
         missing = [name for name in names if name not in existing]
@@ -245,11 +280,12 @@ class KafkaBroker:
         try:
             # librdkafka retries an unreachable cluster silently, forever: ask for metadata
             # first, so a worker that cannot reach Kafka says so instead of logging "ready".
-            consumer.list_topics(timeout=self.timeout_s)
+            consumer.list_topics(timeout=self.connect_timeout_s)
         except confluent_kafka.KafkaException as exc:
             self._close_consumer()
             raise BrokerUnavailableError(
-                f"Kafka: no broker at {self.bootstrap} answered within {self.timeout_s}s: {exc}"
+                f"Kafka: no broker at {self.bootstrap} answered within"
+                f" {self.connect_timeout_s}s: {exc}"
             ) from exc
         consumer.subscribe([queue])
         held: list[tuple[int, int, KafkaDelivery]] = []  # (due_ms, tiebreak, delivery)
@@ -321,7 +357,16 @@ class KafkaBroker:
         the broker's answer (``wait=False``): offsets only ever grow and each commit covers the
         earlier ones, so one that fails is made good by the next, and one lost to a crash costs
         only redeliveries that the guard absorbs. Before leaving the group, waiting."""
-        offsets = self._offsets.take()
+        if wait:
+            # Leaving the group: every partition it holds, whether or not its point moved since
+            # the last commit (that one may have failed, or still be in flight).
+            try:
+                assigned = consumer.assignment()
+            except confluent_kafka.KafkaException:
+                assigned = []
+            offsets = self._offsets.every_point(assigned) or self._offsets.take()
+        else:
+            offsets = self._offsets.take()
         if not offsets:
             return
         try:

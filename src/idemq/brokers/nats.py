@@ -86,6 +86,7 @@ class NatsBroker:
         timeout_s: float = 10.0,
         declare: str = "auto",
         dead_letter: str | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         self.url = url
         self.declare_mode = check_declare_mode(declare)
@@ -103,10 +104,12 @@ class NatsBroker:
             # nats-py keeps retrying a refused connect; wait_for ends it inside the loop, so the
             # task is cancelled and awaited there rather than left pending when the loop stops.
             # nats-py takes whole seconds: a sub-second timeout must not become 0 (no time at all).
+            # connect_timeout_s: a worker's outage budget (--give-up-after) bounds one attempt.
+            wait_s = timeout_s if connect_timeout_s is None else min(connect_timeout_s, timeout_s)
             connect = nats.connect(
-                url, connect_timeout=max(1, math.ceil(timeout_s)), error_cb=self._on_error
+                url, connect_timeout=max(1, math.ceil(wait_s)), error_cb=self._on_error
             )
-            self._nc = self._call(asyncio.wait_for(connect, timeout_s))
+            self._nc = self._call(asyncio.wait_for(connect, wait_s))
         except BrokerUnavailableError as exc:
             self._loop.stop()
             raise self._refusal(exc) from exc
@@ -137,7 +140,8 @@ class NatsBroker:
 
     @classmethod
     def from_url(cls, url: str) -> NatsBroker:
-        """``nats://host:4222?ack_wait_s=30&max_deliver=-1&group=idemq``."""
+        """``nats://host:4222?ack_wait_s=30&max_deliver=-1&group=idemq`` (also
+        ``connect_timeout_ms``: how long a connect is waited for, at most and by default 10000)."""
         parts = urlsplit(url)
         query = {key: values[0] for key, values in parse_qs(parts.query).items()}
         plain = urlunsplit(parts._replace(query=""))
@@ -150,6 +154,11 @@ class NatsBroker:
                 duplicate_window_s=float(query.get("duplicate_window_s", "120")),
                 declare=query.get("declare", "auto"),
                 dead_letter=query.get("dead_letter"),
+                connect_timeout_s=(
+                    float(query["connect_timeout_ms"]) / 1000
+                    if "connect_timeout_ms" in query
+                    else None
+                ),
             )
         except ValueError as exc:
             raise ConfigurationError(f"bad number in NATS URL {url!r}") from exc

@@ -24,6 +24,7 @@ from types import TracebackType
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.errors import BrokerUnavailableError
+from idemq.guard.core import validate_business_id, validate_message_id
 from idemq.ids.generator import MessageIdGenerator
 from idemq.message import BUSINESS_ID_HEADER
 
@@ -73,9 +74,16 @@ class Publisher:
     ) -> str:
         """Publish ``body`` to ``queue`` and return its message id (stamped if not given).
 
-        Raises :class:`~idemq.BrokerUnavailableError` after ``attempts`` unconfirmed tries.
+        Raises :class:`~idemq.BrokerUnavailableError` after ``attempts`` unconfirmed tries, and
+        :class:`~idemq.InvalidMessageIdError` / :class:`~idemq.InvalidBusinessIdError` before
+        anything is sent when a given id breaks the guard's rules: every consumer would
+        dead-letter that message, so it is refused here, where its producer can still fix it.
         """
-        message_id = message_id or self.ids.next_id()
+        if message_id is None:
+            message_id = self.ids.next_id()
+        else:
+            validate_message_id(message_id)
+        validate_business_id(business_id)
         all_headers = dict(headers or {})
         if business_id is not None:
             all_headers[BUSINESS_ID_HEADER] = business_id
@@ -128,6 +136,11 @@ def publish(
 
     For many messages keep a :class:`Publisher` open instead of reconnecting each time.
     """
+    # Refused before connecting: an id no consumer could take is the caller's mistake (exit 2)
+    # whether or not the broker is reachable.
+    if message_id is not None:
+        validate_message_id(message_id)
+    validate_business_id(business_id)
     with Publisher(broker_url, prefix=prefix, attempts=attempts) as publisher:
         return publisher.publish(
             queue, body, message_id=message_id, business_id=business_id, headers=headers

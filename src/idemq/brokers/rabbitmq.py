@@ -13,7 +13,8 @@
   the broker itself dead-letters land next to ours. Our own dead letters are published there
   with the reason headers (confirmed) *then* acked: a crash between the two leaves a duplicate
   in the DLQ, never a loss — with or without a DLX on the queue. RabbitMQ's DLX cannot add a
-  reason, hence the explicit publish.
+  reason, hence the explicit publish. The copy is ``mandatory``: if no queue takes it (the
+  dead-letter queue was deleted), RabbitMQ returns it, and the original is requeued, not acked.
 * No ``x-delivery-limit``: redeliveries of IN_PROGRESS and store-outage messages must not
   count towards a limit (RabbitMQ 4 defaults it to 20 — set the policy off there).
 * The id is the AMQP ``message_id`` property, else the ``idemq-message-id`` header. Producers
@@ -61,7 +62,9 @@ from idemq.brokers.base import (
     outgoing_headers,
     split_query,
 )
+from idemq.drivers.urls import mask_url
 from idemq.errors import (
+    BrokerError,
     BrokerRefusedError,
     BrokerUnavailableError,
     ConfigurationError,
@@ -108,6 +111,9 @@ def _refusal(exc: Exception, url: str) -> Exception:
         )
     return BrokerUnavailableError(f"RabbitMQ: {type(exc).__name__}: {exc}")
 
+
+# How long a channel or connection close is waited for once the connection is known to be lost.
+_CLOSE_WHEN_LOST_S = 2.0
 
 AMQP_MESSAGE_ID_MAX_BYTES = 255  # message-id is an AMQP short string
 AMQP_HEADER_NAME_MAX_BYTES = 128  # a field-table name (pamqp cuts longer ones silently)
@@ -338,6 +344,11 @@ class RabbitMQBroker:
         inbox: Inbox[Delivery] = Inbox(on_dry=self._settler.flush)
 
         async def start() -> tuple[AbstractChannel, aio_pika.abc.AbstractQueue, str]:
+            if not self._connection.connected.is_set():
+                # The robust connection is reconnecting: opening a channel would wait for it
+                # (past the worker's --give-up-after and its SIGTERM). Fail this attempt now;
+                # the worker's outage retries log it, and the next one finds it reconnected.
+                raise BrokerUnavailableError(f"RabbitMQ: not connected to {mask_url(self.url)}")
             channel = await self._connection.channel()
             await channel.set_qos(prefetch_count=prefetch)
             declared = await self._declare(channel, queue)
@@ -348,16 +359,33 @@ class RabbitMQBroker:
             tag = await declared.consume(on_message)
             return channel, declared, tag
 
-        _channel, declared, tag = self._call(start())
+        channel, declared, tag = self._call(start())
+        lost = False
         try:
-            yield from inbox.drain()
+            for delivery in inbox.drain():
+                # The robust connection reconnects by itself and says nothing: without this
+                # check a running worker idled through an outage of any length, with no log
+                # line and no --give-up-after.
+                if not self._connection.connected.is_set() or channel.is_closed:
+                    lost = True
+                    raise BrokerUnavailableError(
+                        f"RabbitMQ: the connection to {mask_url(self.url)} was lost"
+                    )
+                yield delivery
         finally:
-            # Stop receiving only; in-flight deliveries are settled on this channel, which
-            # close() shuts (RabbitMQ then requeues whatever is still unacked).
             inbox.closed.set()
             self._settler.flush()  # acks held for the deliveries this consumer still had
-            with contextlib.suppress(BrokerUnavailableError):
-                self._call(declared.cancel(tag))
+            if lost:
+                # Closed, not cancelled: the robust connection would restore this channel's
+                # consumer on reconnect, feeding an inbox nobody reads while its messages sit
+                # unacked. Bounded: the connection is down, nothing may answer.
+                with contextlib.suppress(BrokerUnavailableError, *_DRIVER_ERRORS):
+                    self._loop.run(channel.close(), _CLOSE_WHEN_LOST_S)
+            else:
+                # Stop receiving only; in-flight deliveries are settled on this channel, which
+                # close() shuts (RabbitMQ then requeues whatever is still unacked).
+                with contextlib.suppress(BrokerUnavailableError):
+                    self._call(declared.cancel(tag))
 
     def _delivery(
         self, queue: str, message: AbstractIncomingMessage, inbox: Inbox[Delivery]
@@ -380,10 +408,15 @@ class RabbitMQBroker:
     def close(self) -> None:
         """Send the queued acks, close the connection (unacked messages go back to their
         queues) and the loop."""
+        # Connection lost: nothing queued can reach RabbitMQ (it requeues those messages
+        # itself), and waiting for it would hold a stopping worker up (SIGTERM prompt).
+        wait_s = self.confirm_timeout_s
+        if not self._connection.connected.is_set():
+            wait_s = _CLOSE_WHEN_LOST_S
         try:
-            self._settler.drain(self.confirm_timeout_s)
-            self._call(self._connection.close())
-        except BrokerUnavailableError:
+            self._settler.drain(wait_s)
+            self._loop.run(self._connection.close(), wait_s + 5)
+        except (BrokerUnavailableError, *_DRIVER_ERRORS):
             pass
         finally:
             self._loop.stop()
@@ -408,16 +441,24 @@ class RabbitMQBroker:
     async def publish_copy(
         self, routing_key: str, body: bytes, headers: Mapping[str, Any], message_id: str | None
     ) -> None:
-        """Publish persistently to ``routing_key`` and wait for the confirm (runs on the loop)."""
+        """Publish persistently to ``routing_key`` and wait for the confirm (runs on the loop).
+
+        ``mandatory``: without it RabbitMQ confirms a message no queue took (a dead-letter
+        queue deleted while the worker runs) and drops it, and the caller would ack the
+        original: a lost message. A returned copy raises :class:`BrokerError` instead, so the
+        caller keeps the original (requeues it).
+        """
         message = aio_pika.Message(
             body,
             headers=dict(headers),
             message_id=_amqp_message_id(message_id),
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
-        await self._channel.default_exchange.publish(
-            message, routing_key=routing_key, timeout=self.confirm_timeout_s
+        answer = await self._channel.default_exchange.publish(
+            message, routing_key=routing_key, mandatory=True, timeout=self.confirm_timeout_s
         )
+        if isinstance(answer, aiormq.abc.DeliveredMessage):  # returned: no queue took it
+            raise BrokerError(f"RabbitMQ returned the copy: no queue {routing_key!r} to take it")
 
 
 class RabbitMQDelivery(Delivery):

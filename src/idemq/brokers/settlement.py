@@ -5,7 +5,8 @@
 * handler error                    → retry with exponential backoff, dead-letter at max_attempts
                                      (the one retry that counts as an attempt, see :class:`Retry`)
 * invalid id / body, payload clash → dead-letter at once (retrying cannot help; it would block)
-* store unavailable                → retry later, never dead-letter (the message is fine)
+* store unavailable, or refusing   → retry later, never dead-letter (the message is fine)
+  the setup (login, dedup table)
 
 The worker, the batched worker and the FastStream middleware all call :func:`decide`, so a
 delivery is settled the same way whichever of them consumed it.
@@ -21,6 +22,7 @@ from idemq.errors import (
     InvalidInputError,
     LeaseLostError,
     PayloadMismatchError,
+    StoreConfigurationError,
     StoreUnavailableError,
 )
 
@@ -112,7 +114,9 @@ def classify(exc: BaseException) -> Verdict:
     being unavailable too: the effect did not commit, and the same message will work once the
     database is back, so it is retried and never counted toward dead-lettering.
     """
-    if isinstance(exc, StoreUnavailableError) or connection_lost(exc):
+    if isinstance(exc, StoreUnavailableError | StoreConfigurationError) or connection_lost(exc):
+        # A refused login or a dropped dedup table is no fault of the message: it waits, its
+        # attempts uncounted, until the setup is fixed (never dead-lettered for it).
         return Verdict.STORE_UNAVAILABLE
     if isinstance(exc, PayloadMismatchError):
         return Verdict.PAYLOAD_MISMATCH

@@ -113,6 +113,8 @@ class DemoReport:
     shipped_unpaid: int = 0
     outbox_left: int = 0
     relay_kills: int = 0
+    # Whether idemq guarded the run: the counts mean different things without it (--no-guard).
+    guard: bool = True
 
     @property
     def ok(self) -> bool:
@@ -122,8 +124,8 @@ class DemoReport:
         return paid and shipped
 
     @classmethod
-    def from_result(cls, result: ChaosResult) -> DemoReport:
-        """Translate a chaos result into the demo's words."""
+    def from_result(cls, result: ChaosResult, *, guard: bool = True) -> DemoReport:
+        """Translate a chaos result into the demo's words (``guard``: was idemq on)."""
         opening = ACCOUNTS * OPENING_BALANCE_CENTS
         retries = result.injected.get("producer_retries", 0)
         return cls(
@@ -148,6 +150,7 @@ class DemoReport:
             shipped_unpaid=result.shipped_unpaid,
             outbox_left=result.outbox_pending,
             relay_kills=result.injected.get("relay_kills_after_publish_before_delete", 0),
+            guard=guard,
         )
 
 
@@ -184,7 +187,7 @@ def run_demo(config: DemoConfig, progress: Callable[[str], None] = lambda _: Non
         f"second hop: {result.shipped} of {result.produced} orders shipped through the outbox "
         f"and its relay, {result.double_shipped} of them more than once"
     )
-    return DemoReport.from_result(result)
+    return DemoReport.from_result(result, guard=config.guard)
 
 
 def intro(config: DemoConfig) -> str:
@@ -259,11 +262,20 @@ def _meanings(report: DemoReport) -> list[str]:
         f"{causes.get('slow', 0)} from handlers that outlasted the queue's visibility timeout "
         f"(the queue handed the message on), {causes.get('crash', 0)} from workers killed "
         "before their ack.",
-        f"[bold]duplicates suppressed[/bold] ({report.duplicates_suppressed}) is at most the "
-        "duplicates delivered: when the first copy's worker died before its commit, nothing "
-        "was recorded, so a later copy is the one that pays (PROCESSED); a copy that came "
-        "while its twin still ran was answered IN_PROGRESS (not acked, delivered again).",
     ]
+    if report.guard:
+        lines.append(
+            f"[bold]duplicates suppressed[/bold] ({report.duplicates_suppressed}) is at most the "
+            "duplicates delivered: when the first copy's worker died before its commit, nothing "
+            "was recorded, so a later copy is the one that pays (PROCESSED); a copy that came "
+            "while its twin still ran was answered IN_PROGRESS (not acked, delivered again)."
+        )
+    else:
+        lines.append(
+            f"[bold]duplicates suppressed[/bold] ({report.duplicates_suppressed}): without idemq "
+            "(--no-guard) nothing recognises a copy, so every duplicate delivered that reached "
+            f"a handler paid again: {report.double_paid} orders paid more than once."
+        )
     if report.outcomes.get("duplicate"):
         lines.append(
             "[bold]DUPLICATE[/bold]: the dedup row committed with the first payment was "
@@ -274,14 +286,23 @@ def _meanings(report: DemoReport) -> list[str]:
         "balance minus each order's price once. Equal only if no order was paid twice (money "
         "would be missing) and none was skipped (money never taken)."
     )
-    lines.append(
+    hop = (
         f"[bold]second hop[/bold]: each payment added its ship message to the outbox in the "
         f"same transaction, so a payment that rolled back sent nothing and one that committed "
         f"cannot lose it. {report.shipments} shipments for {report.produced} orders: a relay "
         f"killed after publishing and before deleting the row ({report.relay_kills} times) "
-        "makes another relay publish it again with the same id, and the ship consumer's dedup "
-        "row answers that copy DUPLICATE."
+        "makes another relay publish it again with the same id, "
     )
+    if report.guard:
+        hop += "and the ship consumer's dedup row answers that copy DUPLICATE."
+    else:
+        # Without idemq no dedup row exists: saying one answered would contradict the counts.
+        hop += (
+            "and without idemq the ship consumer has no dedup row to recognise it, nor the "
+            f"producer retries and redeliveries: {report.double_shipped} orders shipped more "
+            "than once."
+        )
+    lines.append(hop)
     return lines
 
 

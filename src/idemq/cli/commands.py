@@ -196,6 +196,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         table=args.table,
         prefix=args.prefix,
         give_up_after_s=args.give_up_after,
+        log_error_text=args.log_error_text,
     )
     return EXIT_OK
 

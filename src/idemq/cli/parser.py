@@ -42,6 +42,7 @@ from idemq.errors import (
     ConfigurationError,
     IdemqError,
     InvalidInputError,
+    StoreConfigurationError,
     StoreError,
 )
 
@@ -275,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         metavar="S",
         help="exit 4 after S seconds of broker outage (default: 30 at start-up, then never)",
     )
+    worker.add_argument(
+        "--log-error-text",
+        action="store_true",
+        help="log a failing handler's exception text and traceback (default: its class and"
+        " where it was raised only, as the text may quote the payload)",
+    )
     _add_log_format(worker)
     _add_store_naming(worker)
 
@@ -371,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except StoreConfigurationError as exc:  # before StoreError: the same settings fail again
+        return _report(exc, "store refused the setup", EXIT_USAGE, log_format)
     except (ConfigurationError, InvalidInputError) as exc:
         return _report(exc, "error", EXIT_USAGE, log_format)
     except StoreError as exc:

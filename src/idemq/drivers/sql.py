@@ -25,6 +25,7 @@ Everything idemq does to a SQL database passes through here, and each piece prev
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, NamedTuple, TypeVar
@@ -42,6 +43,7 @@ from idemq.drivers.extras import SQL_DRIVER_EXTRAS, missing_extra
 from idemq.drivers.urls import mask_url
 from idemq.errors import (
     ConfigurationError,
+    StoreConfigurationError,
     StoreConflictError,
     StoreError,
     StoreUnavailableError,
@@ -140,6 +142,21 @@ async def arun(conn: AsyncConnection | AsyncSession, plan: Plan[T], doing: str) 
 # Server error codes meaning "another transaction got in the way; run the whole thing again".
 _PG_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})  # serialization, deadlock, lock
 _MYSQL_RETRYABLE_ERRNOS = frozenset({1205, 1213})  # lock wait timeout, deadlock
+# The server answered and refused this setup: retrying the same settings cannot help.
+_PG_REFUSING_SQLSTATES = frozenset({"28000", "28P01", "3D000", "42P01"})  # login, db, table
+# access denied (db, user, auth plugin), unknown database, no such table
+_MYSQL_REFUSING_ERRNOS = frozenset({1044, 1045, 1698, 1049, 1146})
+# libpq reports a refused connection without a SQLSTATE: only the server's FATAL text tells a
+# refusal (these, in the server's default English) from an outage. Anything not matched stays an
+# outage, the safe side: "too many clients" or "starting up" pass once the server recovers.
+_PG_REFUSING_TEXTS = (
+    "authentication failed for user",  # password, SCRAM, ident, cert …
+    "no pg_hba.conf entry",
+    "no password supplied",
+    "permission denied for database",
+)
+_PG_MISSING_TEXT = re.compile(r'FATAL: +(role|database) "[^"]*" does not exist')
+_SQLITE_MISSING_TABLE = "no such table"
 # SQLAlchemy's own errors (no driver error under them) that mean "no usable connection".
 _UNREACHABLE = (
     OSError,
@@ -157,7 +174,9 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
       run the message again: nothing was committed);
     * lost connection, timeouts, other operational failures, the pool's timeout, a closed or
       invalidated connection, a socket error → :class:`StoreUnavailableError`;
-    * anything else (missing table, constraint violation, a statement SQLAlchemy could not
+    * a refused login, an unknown database, a missing table → :class:`StoreConfigurationError`
+      (the same settings fail the same way: the CLI exits 2, not 4);
+    * anything else (constraint violation, a statement SQLAlchemy could not
       compile or bind) → :class:`StoreError`.
 
     The caller raises the returned error ``from`` the original, so it stays as ``__cause__``.
@@ -179,9 +198,20 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
         return StoreConflictError(message)
     if isinstance(error, exc.OperationalError) and "database is locked" in str(orig):
         return StoreConflictError(message)  # SQLite busy timeout ran out
+    if _refuses_setup(str(orig), sqlstate, errno):
+        return StoreConfigurationError(message)
     if error.connection_invalidated or isinstance(error, exc.OperationalError | exc.InterfaceError):
         return StoreUnavailableError(message)
     return StoreError(message)
+
+
+def _refuses_setup(text: str, sqlstate: object, errno: object) -> bool:
+    """Whether the server refused the login, the database or the table (see the constants)."""
+    if sqlstate in _PG_REFUSING_SQLSTATES or errno in _MYSQL_REFUSING_ERRNOS:
+        return True
+    if text.startswith(_SQLITE_MISSING_TABLE):
+        return True
+    return any(part in text for part in _PG_REFUSING_TEXTS) or bool(_PG_MISSING_TEXT.search(text))
 
 
 def connection_lost(error: BaseException) -> bool:

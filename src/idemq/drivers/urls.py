@@ -18,9 +18,11 @@ _MASK = "***"
 def mask_url(url: str) -> str:
     """``url`` with its secret replaced by ``***``; never raises, whatever ``url`` holds.
 
-    ``user:password@`` keeps the user (``guest:***@``), a password-only ``:password@`` becomes
-    ``:***@``, and a lone ``token@`` (how NATS and some Redis setups pass a token) becomes
-    ``***@``. A URL that cannot be parsed is not echoed back at all.
+    One rule everywhere: the user name is shown, the secret is hidden. ``user:password@`` becomes
+    ``user:***@``, a password-only ``:password@`` becomes ``:***@``, and a lone ``user@`` is shown
+    as it is: it names who connects and holds no secret. The one exception is a NATS URL, whose
+    lone ``token@`` *is* the secret (nats-py reads it as the auth token): it becomes ``***@``.
+    A URL that cannot be parsed is not echoed back at all.
     """
     try:
         parts = urlsplit(url)
@@ -30,9 +32,21 @@ def mask_url(url: str) -> str:
     if not at:
         if "@" in url and "://" not in url:
             # No "//", so no netloc was found: "user:pw@host/db" parses as scheme "user" and
-            # path "pw@host/db". Mask everything before the "@" rather than echo a password.
-            return f"{_MASK}@{url.rpartition('@')[2]}"
+            # path "pw@host/db". Mask the secret before the "@" rather than echo a password.
+            userinfo, _, rest = url.rpartition("@")
+            return f"{_masked_userinfo(userinfo, token_alone=False)}@{rest}"
         return url
-    user, colon, _secret = userinfo.partition(":")
-    credentials = f"{user}:{_MASK}" if colon else _MASK
+    token_alone = parts.scheme.lower() in _TOKEN_SCHEMES
+    credentials = _masked_userinfo(userinfo, token_alone=token_alone)
     return urlunsplit(parts._replace(netloc=f"{credentials}@{host}"))
+
+
+# Schemes whose lone userinfo ("scheme://x@host") is a secret token, not a user name.
+_TOKEN_SCHEMES = frozenset({"nats", "tls", "ws", "wss"})
+
+
+def _masked_userinfo(userinfo: str, *, token_alone: bool) -> str:
+    user, colon, _secret = userinfo.partition(":")
+    if colon:
+        return f"{user}:{_MASK}"
+    return _MASK if token_alone else user

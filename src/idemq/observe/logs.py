@@ -6,13 +6,22 @@ Both formats write one record per line, whatever the terminal width: an operator
 or the broker is down, a bad configuration) is logged as its class and message on the same line;
 a traceback is written only for an unexpected exception, or for every one with ``tracebacks=True``
 (``idemq -v``).
+
+What a worker logs about a *failing handler* is :func:`error_summary`: by default the
+exception's class and where it was raised, never its text nor a traceback (a handler's error
+often quotes the payload it choked on: a card number, an address, a token). The text and the
+traceback are an opt-in (``idemq worker --log-error-text``); the dead letter itself always keeps
+the full reason in its headers, where the payload already is.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import traceback
 from datetime import UTC, datetime
+from pathlib import PurePath
 from typing import Any, ClassVar
 
 from idemq.errors import IdemqError
@@ -92,6 +101,30 @@ class LoggingObserver(Observer):
                 "idemq_consumer": consumer,
             },
         )
+
+
+def error_summary(error: BaseException, *, text: bool = False) -> str:
+    """How a log line names ``error``: ``ValueError raised at shop.py:12 in handle`` (the
+    innermost frame of its traceback), or with ``text`` ``ValueError: its text``."""
+    name = type(error).__name__
+    if text:
+        return f"{name}: {error}"
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return name
+    where = frames[-1]
+    return f"{name} raised at {PurePath(where.filename).name}:{where.lineno} in {where.name}"
+
+
+_ERROR_DETAIL = re.compile(r"(?P<name>[A-Za-z_][\w.]*): ", re.DOTALL)
+
+
+def redact_detail(detail: str) -> str:
+    """A failure's ``"ErrorClass: its text"`` (how a dead-letter reason carries it) as
+    ``"ErrorClass"``, for a log line; a detail without a class in front is idemq's own words
+    (``"undecodable"``) and stays as it is."""
+    match = _ERROR_DETAIL.match(detail)
+    return match.group("name") if match else detail
 
 
 # The LoggingObserver's structured fields, under the names a JSON record gives them.

@@ -33,6 +33,7 @@ from idemq.brokers.settlement import Verdict, classify
 from idemq.errors import ConfigurationError
 from idemq.guard.core import Status
 from idemq.message import Message
+from idemq.observe.logs import error_summary, redact_detail
 from idemq.worker.executors import executor
 from idemq.worker.settle import Settler
 
@@ -158,7 +159,7 @@ class BatchWorkerLoop:
                     "handler failed on %s (attempt %d): %s",
                     delivery.describe(),
                     delivery.delivery_attempt,
-                    detail,
+                    detail if self.settler.log_error_text else redact_detail(detail),
                 )
             judged.append((delivery, verdict, detail))
         return self.settler.settle_many(judged)
@@ -169,7 +170,10 @@ class BatchWorkerLoop:
             outcomes = self.guard.process_batch(messages, self.handler)
         except Exception as exc:
             # Nothing of the batch committed: each delivery is settled by this one error.
-            log.warning("batch of %d failed", len(messages), exc_info=True)
+            if self.settler.log_error_text:
+                log.warning("batch of %d failed", len(messages), exc_info=True)
+            else:  # its text may quote a payload: not logged (see error_summary)
+                log.warning("batch of %d failed: %s", len(messages), error_summary(exc))
             return [(classify(exc), f"{type(exc).__name__}: {exc}")] * len(messages)
         return [verdict_of(outcome) for outcome in outcomes]
 

@@ -29,6 +29,7 @@ from idemq.brokers.settlement import RetryPolicy, Verdict, classify
 from idemq.errors import BrokerError, ConfigurationError
 from idemq.guard.probes import Observer
 from idemq.message import Message
+from idemq.observe.logs import error_summary
 from idemq.worker.batch import BatchSettings, BatchWorkerLoop
 from idemq.worker.executors import executor
 from idemq.worker.outage import Outage
@@ -78,6 +79,7 @@ class Worker:
         batch: BatchSettings | None = None,
         give_up_after_s: float | None = None,
         startup_give_up_after_s: float | None = None,
+        log_error_text: bool = False,
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
@@ -88,7 +90,10 @@ class Worker:
         self.concurrency = concurrency
         self.policy = policy or RetryPolicy()
         self.settler = Settler(
-            self.policy, consumer=getattr(guard, "consumer", queue), observer=observer
+            self.policy,
+            consumer=getattr(guard, "consumer", queue),
+            observer=observer,
+            log_error_text=log_error_text,
         )
         # Batched (worker.batch): a full batch per thread in flight, and as many again
         # prefetched, so the broker refills while a batch commits instead of after its acks.
@@ -163,12 +168,19 @@ class Worker:
             )
         except Exception as exc:
             verdict = classify(exc)
-            if verdict is Verdict.HANDLER_ERROR:
+            if verdict is Verdict.HANDLER_ERROR and self.settler.log_error_text:
                 log.warning(
                     "handler failed on %s (attempt %d)",
                     delivery.describe(),
                     delivery.delivery_attempt,
                     exc_info=True,
+                )
+            elif verdict is Verdict.HANDLER_ERROR:  # its text may quote the payload: not logged
+                log.warning(
+                    "handler failed on %s (attempt %d): %s",
+                    delivery.describe(),
+                    delivery.delivery_attempt,
+                    error_summary(exc),
                 )
             return verdict, f"{type(exc).__name__}: {exc}"
         return Verdict[outcome.status.name], ""
@@ -185,6 +197,7 @@ class Worker:
         """Deliveries, each pulled only once a slot is free; reconnects after broker failures."""
         ready = False
         while not self.stopping.is_set():
+            self.outage.attempting()
             stream = self.broker.consume(self.queue, prefetch=self.prefetch)
             try:
                 while not self.stopping.is_set():

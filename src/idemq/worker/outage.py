@@ -45,6 +45,17 @@ class Outage:
         self.attempts = 0
         self.started_s: float | None = None
 
+    def attempting(self) -> float | None:
+        """An attempt starts: the outage's clock runs from the first one (not from its failure,
+        which an attempt waiting out a connect timeout reaches late). Returns the time left
+        before giving up (None: never), the bound for this attempt."""
+        now = self.clock()
+        if self.started_s is None:
+            self.started_s = now
+        if self.give_up_after_s is None:
+            return None
+        return max(self.give_up_after_s - (now - self.started_s), 0.0)
+
     def over(self) -> None:
         """The broker answered: the next failure starts a new outage."""
         self.attempts = 0
@@ -60,7 +71,8 @@ class Outage:
         elapsed_s = now - self.started_s
         if self.give_up_after_s is not None and elapsed_s >= self.give_up_after_s:
             raise BrokerUnavailableError(
-                f"{doing}: gave up after {self.attempts} attempts in {elapsed_s:.1f}s: {error}"
+                f"{doing}: gave up after {self.attempts} attempt{'' if self.attempts == 1 else 's'}"
+                f" in {elapsed_s:.1f}s: {error}"
             ) from error
         wait_s = min(self.first_wait_s * 2 ** (self.attempts - 1), self.max_wait_s)
         if self.give_up_after_s is not None:  # the last attempt falls on the deadline

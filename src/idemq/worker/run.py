@@ -32,7 +32,11 @@ log = logging.getLogger("idemq.worker")
 
 
 def worker_observer(
-    store: object, metrics_port: int | None = None, *, relay: idemq.OutboxRelay | None = None
+    store: object,
+    metrics_port: int | None = None,
+    *,
+    relay: idemq.OutboxRelay | None = None,
+    log_error_text: bool = False,
 ) -> tuple[Observer, Any]:
     """What ``idemq worker`` watches its guard with: structured logs, plus Prometheus metrics
     (guard counters and store gauges, on a registry of its own) served on ``metrics_port``;
@@ -40,7 +44,7 @@ def worker_observer(
 
     Returns the observer and a zero-argument callable that stops the metrics server.
     """
-    logs = LoggingObserver()
+    logs = LoggingObserver(include_error_text=log_error_text)
     if metrics_port is None:
         return logs, lambda: None
     # Imported on use: prometheus-client is the optional extra "metrics".
@@ -96,6 +100,16 @@ def load_handler(spec: str) -> Handler:
         raise ConfigurationError(f"handler must look like MODULE:HANDLER, got {spec!r}")
     try:
         target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot load handler {spec!r}: {exc}") from exc
+    except Exception as exc:
+        # The module was found but raised while importing (a SyntaxError, a NameError, a failed
+        # connection at import time): a mistake in the handler's code like any other, so one
+        # line naming the module and the error (exit 2), not an unexpected traceback.
+        raise ConfigurationError(
+            f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
         for attr in attr_path.split("."):
             target = getattr(target, attr)
     except (ImportError, AttributeError) as exc:
@@ -148,6 +162,7 @@ def run_worker(
     table: str | None = None,
     prefix: str | None = None,
     give_up_after_s: float | None = None,
+    log_error_text: bool = False,
 ) -> WorkerStats:
     """What ``idemq worker MODULE:HANDLER --broker URL --queue NAME --store URL`` runs.
 
@@ -167,6 +182,8 @@ def run_worker(
     :class:`~idemq.BrokerUnavailableError` is raised (``None``: 30 s while connecting at
     start-up, never once running). A refused login or vhost raises
     :class:`~idemq.ConfigurationError` at once.
+    ``log_error_text``: log a failing handler's exception text and traceback (by default its
+    class and where it was raised only: the text may quote the payload).
     """
     batch = None if batch_size is None else BatchSettings(batch_size, batch_wait_ms)
     if isinstance(handler, str):
@@ -180,7 +197,7 @@ def run_worker(
     try:
         outbox_relay = _open_relay(guard.store, outbox_table, broker_url) if relay else None
         guard.observer, stop_metrics = worker_observer(
-            guard.store, metrics_port, relay=outbox_relay
+            guard.store, metrics_port, relay=outbox_relay, log_error_text=log_error_text
         )
         broker = _open_broker(broker_url, give_up_after_s, declare=declare, dead_letter=dead_letter)
     except BaseException:
@@ -206,6 +223,7 @@ def run_worker(
         batch=batch,
         give_up_after_s=give_up_after_s,
         startup_give_up_after_s=_startup_budget_s(give_up_after_s),
+        log_error_text=log_error_text,
     )
     stop_relay = threading.Event()
     relay_thread = None if outbox_relay is None else _start_relay(outbox_relay, stop_relay)
@@ -232,10 +250,17 @@ def _open_broker(url: str, give_up_after_s: float | None, **options: str | None)
     (default 30 s)."""
     outage = Outage(_startup_budget_s(give_up_after_s), threading.Event())
     while True:
+        left_s = outage.attempting()
         try:
-            return open_broker(url, **options)
+            return open_broker(url, connect_timeout_s=_attempt_bound_s(left_s), **options)
         except BrokerUnavailableError as exc:
             outage.failed(exc, f"connecting to {mask_url(url)}")
+
+
+def _attempt_bound_s(left_s: float | None) -> float | None:
+    """How long one connect attempt may wait: what is left of the outage budget, at least a
+    moment (an attempt with no time at all could never succeed), None without a budget."""
+    return None if left_s is None else max(left_s, 0.5)
 
 
 def _open_relay(store: object, table: str, broker_url: str) -> idemq.OutboxRelay:

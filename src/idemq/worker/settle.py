@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from idemq.brokers.base import Delivery, settle_all
 from idemq.brokers.settlement import DeadLetter, RetryPolicy, Settlement, Verdict, decide
 from idemq.guard.probes import Observer
+from idemq.observe.logs import redact_detail
 
 __all__ = ["Settler", "WorkerStats"]
 
@@ -62,9 +63,12 @@ class Settler:
         *,
         consumer: str,
         observer: Observer | None = None,
+        log_error_text: bool = False,
     ) -> None:
         self.policy = policy
         self.consumer = consumer
+        # Exception texts in the worker's log lines (see idemq.observe.logs.error_summary).
+        self.log_error_text = log_error_text
         self.observer = observer  # told about dead letters (the guard reports the rest)
         self.stats = WorkerStats()
         self._lock = threading.Lock()
@@ -86,7 +90,12 @@ class Settler:
     def _decide(self, delivery: Delivery, verdict: Verdict, detail: str) -> Settlement:
         settlement = decide(verdict, delivery.delivery_attempt, self.policy, detail)
         if isinstance(settlement, DeadLetter):
-            log.warning("dead-lettering %s: %s", delivery.describe(), settlement.reason)
+            # The dead letter carries the whole reason; the log line its class only, unless
+            # told otherwise (the text may quote the payload).
+            logged = detail if self.log_error_text else redact_detail(detail)
+            reason = decide(verdict, delivery.delivery_attempt, self.policy, logged)
+            assert isinstance(reason, DeadLetter)  # the same verdict, the same decision
+            log.warning("dead-lettering %s: %s", delivery.describe(), reason.reason)
             if self.observer is not None:
                 message_id = delivery.message.id if delivery.message is not None else "?"
                 self.observer.dead_lettered(self.consumer, message_id, settlement.reason)

@@ -222,3 +222,102 @@ def test_no_offset_is_committed_past_a_delivery_still_in_flight(tansu: str) -> N
     finally:
         heir.delete_queue(topic)
         heir.close()
+
+
+KAFKA_HANDLER = """
+import time
+
+import sqlalchemy as sa
+
+def handle(msg, tx):
+    time.sleep(0.01)  # messages are still flowing when SIGTERM comes
+    tx.execute(sa.text("INSERT INTO effects (message_id) VALUES (:m)"), {"m": msg.id})
+"""
+
+
+def _kafka_worker(tmp_path, url: str, topic: str, log_name: str, *extra: str):
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    idemq_cli = str(Path(sys.executable).with_name("idemq"))
+    sink = (tmp_path / log_name).open("w")
+    command = [idemq_cli, "worker", "kafka_handlers:handle", "--broker", url, "--queue", topic]
+    command += ["--store", f"sqlite:///{tmp_path / 'shop.db'}", *extra]
+    return subprocess.Popen(command, cwd=tmp_path, stdout=sink, stderr=sink), sink
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--concurrency", "4"), ("--batch-size", "8")],
+    ids=["one-at-a-time", "concurrency-4", "batch-8"],
+)
+def test_sigterm_commits_every_partitions_last_settled_offset(
+    tansu: str, tmp_path, extra: tuple[str, ...]
+) -> None:
+    """A worker stopped by SIGTERM commits the last settled offset of every partition before it
+    leaves the group: its successor is handed nothing that was already settled."""
+    import signal  # noqa: PLC0415
+
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    from idemq.message import MESSAGE_ID_HEADER  # noqa: PLC0415
+
+    partitions = 3
+    topic = unique("kafka_sigterm")
+    url = f"kafka://{tansu}?session_timeout_ms=2000"
+    admin = AdminClient({"bootstrap.servers": tansu})
+    for future in admin.create_topics(
+        [confluent_kafka.admin.NewTopic(topic, partitions, 1)]
+    ).values():  # type: ignore[attr-defined]
+        future.result(30)
+    (tmp_path / "kafka_handlers.py").write_text(KAFKA_HANDLER)
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'shop.db'}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE effects (message_id TEXT)")
+
+    def effects() -> int:
+        with engine.connect() as conn:
+            return int(conn.exec_driver_sql("SELECT COUNT(*) FROM effects").scalar_one())
+
+    producer = confluent_kafka.Producer({"bootstrap.servers": tansu})
+
+    def send(message_id: str, partition: int) -> None:
+        producer.produce(
+            topic, b"{}", partition=partition, headers=[(MESSAGE_ID_HEADER, message_id.encode())]
+        )
+
+    def wait_for(condition, what: str, log_name: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, (tmp_path / log_name).read_text()
+            time.sleep(0.1)
+
+    total = 600
+    for n in range(total):
+        send(f"M{n:03d}", n % partitions)
+    assert producer.flush(30) == 0
+    first, sink = _kafka_worker(tmp_path, url, topic, "first.log", *extra)
+    try:
+        # SIGTERM in the middle of the stream: every partition has settled offsets in flight.
+        wait_for(lambda: effects() >= total // 4, "a quarter applied", "first.log")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(60) == 0, (tmp_path / "first.log").read_text()
+        sink.close()
+    # The successor: one sentinel per partition, behind whatever was left uncommitted there.
+    for partition in range(partitions):
+        send(f"S{partition}", partition)
+    assert producer.flush(30) == 0
+    second, sink = _kafka_worker(tmp_path, url, topic, "second.log", *extra)
+    try:
+        wait_for(lambda: effects() == total + partitions, "all applied", "second.log")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(60)
+        sink.close()
+        admin.delete_topics([topic, f"{topic}.dlq"])
+        engine.dispose()
+    log = (tmp_path / "second.log").read_text()
+    # Redelivered copies of settled messages would be answered DUPLICATE (and logged so).
+    assert "idemq duplicate" not in log, log
+    assert effects() == total + partitions

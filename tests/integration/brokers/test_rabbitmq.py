@@ -11,6 +11,7 @@ import pytest
 
 from idemq.brokers import open_broker
 from idemq.brokers.base import DEAD_LETTER_REASON_HEADER, Broker, Delivery
+from idemq.brokers.rabbitmq import RabbitMQBroker
 from idemq.brokers.settlement import Verdict
 from idemq.message import MESSAGE_ID_HEADER
 from idemq.worker.loop import Worker
@@ -124,3 +125,30 @@ def _first(stream: Iterator[Delivery | None], *, timeout_s: float) -> Delivery:
         if time.monotonic() > deadline:
             break
     raise AssertionError(f"nothing delivered within {timeout_s}s")
+
+
+def test_a_dead_letter_no_queue_takes_leaves_the_original_in_its_queue() -> None:
+    # The dead-letter queue is deleted while the consumer runs. The copy must be published
+    # mandatory: otherwise RabbitMQ confirms a message it routed nowhere, the original is acked,
+    # and the poison message is gone from both queues.
+    require_service("rabbitmq")
+    url = "amqp://guest:guest@127.0.0.1:5672/"
+    queue = unique("q")
+    consumer = RabbitMQBroker(url)
+    admin = RabbitMQBroker(url, dead_letter=f"{queue}.dlq")
+    try:
+        stream = consumer.consume(queue, prefetch=1)  # declares the queue and its .dlq
+        assert next(stream) is None
+        admin.delete_queue(f"{queue}.dlq")  # an operator removes the dead-letter queue
+        admin.publish(queue, b"poison", message_id=f"P_{queue}")
+        first = _first(stream, timeout_s=20)
+        first.dead_letter("invalid_message: test").result(timeout=20)
+        again = _first(stream, timeout_s=20)  # requeued, not acked
+        assert again.message is not None
+        assert (again.message.id, again.body) == (f"P_{queue}", b"poison")
+        again.ack().result(timeout=20)
+        stream.close()
+    finally:
+        consumer.close()
+        admin.delete_queue(queue)
+        admin.close()

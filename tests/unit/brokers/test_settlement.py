@@ -21,6 +21,7 @@ from idemq.errors import (
     InvalidMessageIdError,
     LeaseLostError,
     PayloadMismatchError,
+    StoreConfigurationError,
     StoreError,
     StoreUnavailableError,
 )
@@ -240,3 +241,9 @@ def test_an_id_header_that_is_not_utf8_is_an_invalid_message_id() -> None:
     # Any other binary header is the producer's business: passed on.
     msg, err = decode(b"{}", {"idemq-message-id": "H1", "x-sig": "\ufffd"}, undecodable=["x-sig"])
     assert msg is not None
+
+
+def test_a_store_refusing_the_setup_is_never_counted_against_the_message() -> None:
+    # A dropped dedup table or a rotated password: no fault of the message, so it must wait,
+    # uncounted, rather than be dead-lettered with every other message of the queue.
+    assert classify(StoreConfigurationError("login refused")) is Verdict.STORE_UNAVAILABLE

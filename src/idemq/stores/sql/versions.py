@@ -20,10 +20,17 @@ transaction on PostgreSQL (an invalid one left by an interrupted build is droppe
 ``ALGORITHM=INPLACE, LOCK=NONE`` on MariaDB/MySQL (the server refuses rather than locks, and
 ``lock_wait_timeout`` bounds the wait for the brief metadata lock), a plain ``CREATE INDEX`` on
 SQLite (one writer at a time: the build holds the write lock while it runs).
+
+Upgrades of one database run one at a time (:func:`upgrade_lock`), and each plans only once it
+holds the lock: two that planned together would both run the same DDL (a duplicate index name
+on MariaDB, concurrent index builds deadlocking on PostgreSQL).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,13 +52,14 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.schema import CreateTable
 
 from idemq._clock import system_clock_ms
-from idemq.errors import ConfigurationError
+from idemq.errors import ConfigurationError, StoreConflictError
 from idemq.stores.sql.schema import SINCE
 
 __all__ = [
     "MYSQL_LOCK_WAIT_S",
     "SINCE",
     "VERSION_TABLE",
+    "UPGRADE_LOCK_WAIT_S",
     "TableUpgrade",
     "build_version_table",
     "create_recorded",
@@ -60,6 +68,7 @@ __all__ = [
     "recorded_version",
     "record_version",
     "run_upgrade",
+    "upgrade_lock",
 ]
 
 VERSION_TABLE = "idemq_schema_version"
@@ -67,6 +76,9 @@ VERSION_TABLE = "idemq_schema_version"
 #: How long a MariaDB/MySQL ``ALTER TABLE`` waits for the metadata lock before giving up
 #: (while it waits, new statements on the table queue behind it).
 MYSQL_LOCK_WAIT_S = 10
+
+#: How long an upgrade waits for another one on the same database to finish before giving up.
+UPGRADE_LOCK_WAIT_S = 600
 
 
 def build_version_table(metadata: MetaData | None = None, *, schema: str | None = None) -> Table:
@@ -260,6 +272,55 @@ def plan_upgrade(conn: Connection, table: Table, kind: str, current: int) -> Tab
         statements=statements,
         schema=table.schema,
     )
+
+
+@contextmanager
+def upgrade_lock(engine: Engine, schema: str | None = None) -> Iterator[None]:
+    """Hold, on a connection of its own, the lock that lets one upgrade of ``engine``'s database
+    run at a time; wait for it :data:`UPGRADE_LOCK_WAIT_S` at most
+    (:class:`~idemq.StoreConflictError` after that: another upgrade is still running).
+
+    PostgreSQL: ``LOCK TABLE idemq_schema_version IN SHARE UPDATE EXCLUSIVE MODE`` in a
+    transaction left open. Not an advisory lock: a session waiting in ``SELECT
+    pg_advisory_lock()`` holds a snapshot, which the holder's ``CREATE INDEX CONCURRENTLY`` must
+    wait out, a wait across two sessions no deadlock detector sees. ``LOCK TABLE`` waits without
+    a snapshot, and the mode lets every reader and writer of the version table pass
+    (``create_schema``, the holder's own record). MariaDB/MySQL: ``GET_LOCK`` (server-wide, so
+    its name carries the database). SQLite: nothing to do (its upgrade is one write transaction).
+    """
+    dialect = engine.dialect.name
+    if dialect == "sqlite":
+        yield
+        return
+    if dialect == "postgresql":
+        with engine.begin() as conn:
+            versions = _ensure_version_table(conn, schema)
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{UPGRADE_LOCK_WAIT_S}s'")
+            conn.exec_driver_sql(
+                f"LOCK TABLE {_qualified(conn.dialect, versions)} IN SHARE UPDATE EXCLUSIVE MODE"
+            )
+            try:
+                yield
+            finally:
+                conn.rollback()
+        return
+    database = schema or engine.url.database or ""
+    digest = hashlib.sha256(database.encode()).hexdigest()[:32]
+    name = f"idemq_schema_upgrade_{digest}"  # GET_LOCK names: 64 characters at most
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        got = conn.execute(
+            sa.text("SELECT GET_LOCK(:name, :wait_s)"),
+            {"name": name, "wait_s": UPGRADE_LOCK_WAIT_S},
+        ).scalar()
+        if got != 1:
+            raise StoreConflictError(
+                f"another schema upgrade of {database!r} still runs after {UPGRADE_LOCK_WAIT_S} s"
+            )
+        try:
+            yield
+        finally:
+            conn.execute(sa.text("SELECT RELEASE_LOCK(:name)"), {"name": name})
 
 
 def run_upgrade(engine: Engine, upgrade: TableUpgrade) -> None:
