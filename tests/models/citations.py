@@ -22,12 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CITATION = re.compile(r"(src/idemq/[\w/]+\.py) {2,}([A-Za-z_][\w.]*(?:, *[A-Za-z_][\w.]*)*)")
 
-# Added by the parallel branches of issue 30 (the coordinator removes this after merging them):
-# names the models already cite although they are not in this branch's src/ yet.
-PENDING = frozenset(
-    {"ConfirmIn", "confirm_in", "Renew", "renew_leases", "delete_leased", "TransactionLostError"}
-)
-
 
 @dataclass(frozen=True)
 class Citation:
@@ -83,6 +77,6 @@ def missing(found: list[Citation], root: Path = ROOT) -> list[str]:
         names = cache[citation.path]
         if names is None:
             problems.append(f"{citation.source}: {citation.path} does not exist")
-        elif citation.name not in names and citation.name.split(".")[-1] not in PENDING:
+        elif citation.name not in names:
             problems.append(f"{citation.source}: {citation.path} has no {citation.name}")
     return problems
