@@ -121,10 +121,10 @@ def build(config: dict[str, Any]) -> App:
         runs = client.incr(f"{namespace}:runs:{order_id}")
         assert tx is current_tx()  # both doors lead to the same transaction
         insert = sa.text(f"INSERT INTO {orders} (order_id, amount) VALUES (:o, :a)")
-        if order_id.startswith("flaky") and runs == 1:
+        if order_id.startswith("doomed") or (order_id.startswith("flaky") and runs == 1):
             if tx is not None:
                 tx.execute(insert, {"o": order_id, "a": amount})  # rolled back by the raise
-            raise RuntimeError(f"{order_id}: first attempt fails")
+            raise RuntimeError(f"{order_id}: attempt {runs} fails")
         if order_id.startswith("slowfail") and runs == 1:
             # Hold the claim until the test lets go (a twin meets IN_PROGRESS), then fail.
             client.blpop([f"{namespace}:go:{order_id}"], timeout=30)

@@ -219,6 +219,21 @@ def test_an_actor_that_raises_is_retried_then_succeeds_once(
     assert message.get_result(backend=run.app.results) == {"paid": order, "amount": 7}
 
 
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("broker", BROKERS)
+def test_an_actor_that_keeps_raising_is_dead_lettered_by_dramatiqs_retries(
+    start: Callable[..., Running], broker: str, store: str
+) -> None:
+    run = start(broker, store)
+    order = unique("doomed")
+    message = run.app.pay.send_with_options(args=(order, 1), max_retries=1)
+
+    wait_for(lambda: run.recorder.count("nack", message.message_id) == 1, "the message failed")
+    assert run.app.runs(order) == 2  # the first try and Dramatiq's one retry
+    assert run.app.rows() == {}  # each try's row rolled back (or never made, lease mode)
+    wait_for(lambda: run.dead_lettered() == 1, "the message in the dead-letter queue")
+
+
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_message_whose_key_a_twin_holds_comes_back_without_using_retries(
     start: Callable[..., Running], broker: str
