@@ -97,7 +97,8 @@ def build(config: dict[str, Any]) -> App:
         store: SqlStore | RedisStore = SqlStore(engine, table=config["table"])
         guard = Idempotency(store, consumer=config["consumer"])
     else:
-        store = RedisStore(REDIS_URL, prefix=f"{namespace}:idemq")
+        store_url = config.get("store_url", REDIS_URL)
+        store = RedisStore(store_url, prefix=f"{namespace}:idemq", socket_timeout_s=1.0)
         guard = Idempotency(store, consumer=config["consumer"], mode="lease", lease_s=10)
 
     key = None
@@ -145,6 +146,20 @@ def build(config: dict[str, Any]) -> App:
         min_backoff=MIN_BACKOFF_MS,
         max_backoff=MAX_BACKOFF_MS,
         max_retries=5,
+    )
+
+    def pay_many(order_ids: list[str], amount: int) -> int:
+        # Direct calls of another actor: part of this message's effect, in its transaction.
+        for order_id in order_ids:
+            actor(order_id, amount)
+        return len(order_ids)
+
+    dramatiq.actor(
+        pay_many,
+        broker=broker,
+        actor_name="pay_many",
+        queue_name=config["queue"],
+        store_results=True,
     )
     return App(config, broker, engine, client, results, actor, guard)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,9 +26,10 @@ from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.results import ResultFailure, ResultMissing
 
 from idemq import ConfigurationError, Idempotency, SqlStore
-from tests.conftest import require_service, unique
+from tests.conftest import CI, free_port, require_service, unique
 from tests.integration import dramatiq_app
 from tests.integration.dramatiq_app import CONFIG_ENV, App
+from tests.integration.test_redis_restart import RedisServer
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.postgres]
 
@@ -259,6 +261,52 @@ def test_a_message_whose_key_a_twin_holds_comes_back_without_using_retries(
     assert run.app.runs(order) == 2
     assert run.recorder.count("nack", b.message_id) == 0
     assert set(run.recorder.retries_seen) == {0}
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("broker", BROKERS)
+def test_an_actor_calling_another_directly_makes_one_effect_per_message(
+    start: Callable[..., Running], broker: str, store: str
+) -> None:
+    run = start(broker, store)
+    orders = [unique("o"), unique("o")]
+    message = run.app.broker.get_actor("pay_many").message(orders, 5)
+    run.app.broker.enqueue(message)
+    run.app.broker.enqueue(message)
+
+    wait_for(lambda: run.recorder.count("ack", message.message_id) >= 2, "both copies acked")
+    run.drain()
+    assert run.app.rows() == dict.fromkeys(orders, 1)
+    assert [run.app.runs(order) for order in orders] == [1, 1]
+    assert message.get_result(backend=run.app.results) == 2
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_store_outage_brings_the_message_back_until_the_store_is_up(
+    start: Callable[..., Running], broker: str, tmp_path: Path
+) -> None:
+    if shutil.which("redis-server") is None:
+        if CI:
+            pytest.fail("redis-server binary missing (CI=true)")
+        pytest.skip("redis-server binary missing")
+    port = free_port()  # the store's Redis: nobody listens there yet
+    run = start(broker, "redis", store_url=f"redis://127.0.0.1:{port}/0")
+    order = unique("o")
+    message = run.app.pay.send(order, 4)
+
+    wait_for(lambda: run.recorder.count("skip", message.message_id) >= 2, "two comebacks")
+    assert run.app.rows() == {}
+    assert run.app.runs(order) == 0
+    server = RedisServer(port, tmp_path, aof=False)
+    server.start()
+    try:
+        wait_for(lambda: run.app.rows() == {order: 1}, "the effect, once the store is up")
+        run.drain()
+    finally:
+        server.kill()
+    assert run.app.runs(order) == 1
+    assert run.recorder.count("nack", message.message_id) == 0
+    assert set(run.recorder.retries_seen) == {0}  # waiting for the store is not a failure
 
 
 @pytest.mark.parametrize("store", STORES)

@@ -40,7 +40,9 @@ How one delivery goes:
   stores it), since retrying cannot help. Never acked silently.
 
 A direct call (``pay("o1", 10)``, not a delivery) runs the function unguarded: there is no
-message id to key it by. An actor opts out with ``@dramatiq.actor(idempotent=False)``.
+message id to key it by. Called from inside a guarded actor it gets that actor's ``tx``, so its
+writes are part of the caller's effect. An actor opts out with
+``@dramatiq.actor(idempotent=False)``.
 """
 
 from __future__ import annotations
@@ -166,7 +168,10 @@ class IdempotencyMiddleware(Middleware):
             ):
                 # A direct call: not a delivery of this actor's message (an actor called from
                 # inside another, or outside a worker). Keying it by the delivery's id would
-                # make it a duplicate of the outer message.
+                # make it a duplicate of the outer message. Called from a guarded actor, it
+                # writes through the caller's transaction: part of the caller's one effect.
+                if takes_tx and "tx" not in kwargs:
+                    kwargs["tx"] = _current_tx.get()
                 return fn(*args, **kwargs)
             delivery.guarded = True
             try:
