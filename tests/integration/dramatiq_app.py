@@ -160,6 +160,9 @@ def build(config: dict[str, Any]) -> App:
         actor_name="pay_many",
         queue_name=config["queue"],
         store_results=True,
+        min_backoff=MIN_BACKOFF_MS,
+        max_backoff=MAX_BACKOFF_MS,
+        max_retries=5,
     )
     return App(config, broker, engine, client, results, actor, guard)
 

@@ -87,8 +87,13 @@ class Running:
         self.worker = worker
 
     def drain(self) -> None:
+        """Wait until the queue is empty and the worker holds nothing (delayed ones included)."""
         self.app.broker.join(self.app.queue, timeout=int(DEADLINE_S * 1000))
-        self.worker.join()
+        # Worker.join has no deadline: a message that keeps coming back would hang the test.
+        joiner = threading.Thread(target=self.worker.join, daemon=True)
+        joiner.start()
+        joiner.join(DEADLINE_S)
+        assert not joiner.is_alive(), "the worker still holds messages"
 
     def dead_lettered(self) -> int:
         broker = self.app.broker
@@ -133,7 +138,7 @@ def start() -> Iterator[Callable[..., Running]]:
 
     yield run
     for running, config in started:
-        running.worker.stop()
+        running.worker.stop(timeout=10_000)
         running.app.close()
         dramatiq_app.cleanup(config)
 
