@@ -164,6 +164,20 @@ def build(config: dict[str, Any]) -> App:
         max_backoff=MAX_BACKOFF_MS,
         max_retries=5,
     )
+
+    def pay_after(order_id: str, previous: dict[str, Any], tx: Any = None) -> None:
+        # The second step of a pipeline: Dramatiq appends the first step's result.
+        actor(order_id, previous["amount"], tx=tx)
+
+    dramatiq.actor(
+        pay_after,
+        broker=broker,
+        actor_name="pay_after",
+        queue_name=config["queue"],
+        min_backoff=MIN_BACKOFF_MS,
+        max_backoff=MAX_BACKOFF_MS,
+        max_retries=5,
+    )
     return App(config, broker, engine, client, results, actor, guard)
 
 

@@ -286,6 +286,30 @@ def test_an_actor_calling_another_directly_makes_one_effect_per_message(
     assert message.get_result(backend=run.app.results) == 2
 
 
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_duplicate_first_step_of_a_pipeline_does_not_run_the_next_step_twice(
+    start: Callable[..., Running], broker: str, store: str
+) -> None:
+    """Dramatiq fixes the next step's message id when the pipeline is built, and appends the
+    first step's result to its arguments: the duplicate's replayed result makes the same
+    message again, which the guard recognises (any other result would be a payload clash)."""
+    run = start(broker, store)
+    first, second = unique("o"), unique("o")
+    pipe = dramatiq.pipeline(
+        [run.app.pay.message(first, 3), run.app.broker.get_actor("pay_after").message(second)],
+        broker=run.app.broker,
+    )
+    pipe.run()
+    run.app.broker.enqueue(pipe.messages[0])  # the first step delivered twice
+    wait_for(lambda: run.app.rows() == {first: 1, second: 1}, "both steps' effects")
+    next_id = pipe.messages[1].message_id
+    wait_for(lambda: run.recorder.count("ack", next_id) >= 2, "the second step twice, acked")
+    run.drain()
+    assert run.app.rows() == {first: 1, second: 1}
+    assert run.recorder.count("nack", next_id) == 0
+
+
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_store_outage_brings_the_message_back_until_the_store_is_up(
     start: Callable[..., Running], broker: str, tmp_path: Path
