@@ -178,6 +178,16 @@ def build(config: dict[str, Any]) -> App:
         max_backoff=MAX_BACKOFF_MS,
         max_retries=5,
     )
+
+    def note(order_id: str) -> None:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(f"INSERT INTO {orders} (order_id, amount) VALUES (:o, 0)"), {"o": order_id}
+            )
+
+    dramatiq.actor(
+        note, broker=broker, actor_name="note", queue_name=config["queue"], idempotent=False
+    )
     return App(config, broker, engine, client, results, actor, guard)
 
 

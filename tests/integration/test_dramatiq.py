@@ -310,6 +310,17 @@ def test_a_duplicate_first_step_of_a_pipeline_does_not_run_the_next_step_twice(
     assert run.recorder.count("nack", next_id) == 0
 
 
+def test_an_actor_declared_idempotent_false_is_not_guarded(start: Callable[..., Running]) -> None:
+    run = start("rabbitmq", "sql")
+    order = unique("o")
+    message = run.app.broker.get_actor("note").message(order)
+    run.app.broker.enqueue(message)
+    run.app.broker.enqueue(message)
+    wait_for(lambda: run.app.rows() == {order: 2}, "both copies applied: nothing guards them")
+    run.drain()
+    assert run.app.rows() == {order: 2}
+
+
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_store_outage_brings_the_message_back_until_the_store_is_up(
     start: Callable[..., Running], broker: str, tmp_path: Path
