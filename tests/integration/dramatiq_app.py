@@ -132,6 +132,8 @@ def build(config: dict[str, Any]) -> App:
             raise RuntimeError(f"{order_id}: the first holder fails")
         if tx is not None:
             tx.execute(insert, {"o": order_id, "a": amount})
+            if config.get("work_ms"):  # the transaction stays open: a kill lands inside it
+                tx.execute(sa.text("SELECT pg_sleep(:s)"), {"s": config["work_ms"] / 1000})
         else:
             with engine.begin() as conn:
                 conn.execute(insert, {"o": order_id, "a": amount})

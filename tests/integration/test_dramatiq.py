@@ -349,6 +349,63 @@ def test_a_store_outage_brings_the_message_back_until_the_store_is_up(
     assert set(run.recorder.retries_seen) == {0}  # waiting for the store is not a failure
 
 
+def run_through_kills(
+    config: dict[str, Any], tmp_path: Path, orders: list[str], kill_at_rows: tuple[int, ...] = ()
+) -> int:
+    """Send one ``pay`` per order, run worker processes until every order has its row.
+
+    A worker that died (SIGKILL from ``crash_at``) is restarted; with ``kill_at_rows`` the test
+    SIGKILLs the worker itself once that many orders have their row. Returns the kills seen.
+    The last worker is stopped gracefully once the queue is empty.
+    """
+    dramatiq_app.prepare(config)
+    app = dramatiq_app.build(config)
+    env = {**os.environ, CONFIG_ENV: json.dumps(config)}
+    log_path = tmp_path / "worker.log"
+    pending = sorted(kill_at_rows)
+    kills = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start_worker() -> subprocess.Popen[bytes]:
+        with log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(
+                [sys.executable, "-m", "tests.integration.dramatiq_app"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+
+    try:
+        for n, order in enumerate(orders):
+            app.pay.send(order, n)
+        proc = start_worker()
+        deadline = time.monotonic() + 120
+        while set(rows := app.rows()) != set(orders):
+            assert time.monotonic() < deadline, f"lost messages: {set(orders) - set(rows)}"
+            if pending and len(rows) >= pending[0]:
+                pending.pop(0)
+                proc.kill()  # SIGKILL: whatever the worker's threads were doing
+            if proc.poll() is not None:
+                proc.wait()
+                assert proc.returncode == -signal.SIGKILL, log_path.read_text()
+                kills += 1
+                proc = start_worker()
+            time.sleep(0.05)
+        app.broker.join(app.queue, timeout=60_000)
+        proc.send_signal(signal.SIGTERM)  # a graceful stop finishes what it holds
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+        proc = None
+        assert app.rows() == dict.fromkeys(orders, 1)  # every effect, each once
+        return kills
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        app.close()
+        dramatiq_app.cleanup(config)
+
+
 @pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("broker", BROKERS)
 def test_worker_killed_after_the_effect_before_the_ack_applies_each_effect_once(
@@ -357,48 +414,19 @@ def test_worker_killed_after_the_effect_before_the_ack_applies_each_effect_once(
     # Lease mode keeps one worker thread: a kill landing in another thread between its effect
     # (outside the dedup store) and its `complete` is the guarantees table's at-least-once case.
     config = make_config(broker, store, crash_at=[3, 7], worker_threads=4 if store == "sql" else 1)
-    dramatiq_app.prepare(config)
-    app = dramatiq_app.build(config)
     orders = [unique("o") for _ in range(12)]
-    env = {**os.environ, CONFIG_ENV: json.dumps(config)}
-    crashes = 0
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        for n, order in enumerate(orders):
-            app.pay.send(order, n)
+    assert run_through_kills(config, tmp_path, orders) == 2
 
-        def start_worker() -> subprocess.Popen[bytes]:
-            with (tmp_path / "worker.log").open("ab") as log:  # the child keeps its own copy
-                return subprocess.Popen(
-                    [sys.executable, "-m", "tests.integration.dramatiq_app"],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=log,
-                )
 
-        proc = start_worker()
-        deadline = time.monotonic() + 90
-        while set(app.rows()) != set(orders):
-            assert time.monotonic() < deadline, f"lost messages: {set(orders) - set(app.rows())}"
-            if proc.poll() is not None:
-                assert proc.returncode == -signal.SIGKILL, (tmp_path / "worker.log").read_text()
-                crashes += 1
-                proc = start_worker()
-            time.sleep(0.05)
-        app.broker.join(app.queue, timeout=60_000)
-        proc.send_signal(signal.SIGTERM)  # a graceful stop finishes what it holds
-        assert proc.wait(timeout=60) == 0, (tmp_path / "worker.log").read_text()
-        proc = None
-
-        assert crashes == 2
-        assert app.rows() == dict.fromkeys(orders, 1)  # every effect, each once
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        app.close()
-        dramatiq_app.cleanup(config)
+@pytest.mark.parametrize("broker", BROKERS)
+def test_worker_killed_mid_transaction_applies_each_effect_once(
+    broker: str, tmp_path: Path
+) -> None:
+    """Transactional mode, kills from outside while four threads are inside their transactions
+    (each holds its transaction open a little after its insert): rollback or committed + skip."""
+    config = make_config(broker, "sql", worker_threads=4, work_ms=100)
+    orders = [unique("o") for _ in range(20)]
+    assert run_through_kills(config, tmp_path, orders, kill_at_rows=(4, 10)) == 2
 
 
 def test_the_guard_must_be_a_sync_idempotency() -> None:
