@@ -1,4 +1,5 @@
-"""SQLite's relay holds its rows by leases; :class:`LeaseKeeper` keeps them while it publishes.
+"""SQLite's relay holds its rows by leases; :class:`RowLeases` keeps them while it publishes
+(not the guard's :class:`~idemq.guard.renewal.LeaseKeeper`: these are outbox rows, renewed in bulk).
 
 Timeline of the double publish this prevents (two relays, one SQLite outbox)::
 
@@ -26,12 +27,12 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from idemq.outbox.statements import Statements
 
-__all__ = ["LeaseKeeper"]
+__all__ = ["RowLeases"]
 
 log = logging.getLogger("idemq.relay")
 
 
-class LeaseKeeper:
+class RowLeases:
     """Renews ``owner``'s leases on ``ids`` every ``lease_s / 3`` until the ``with`` block ends;
     :meth:`fence` renews one row and says whether it is still held."""
 
@@ -58,7 +59,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="idemq-relay-leases", daemon=True)
 
-    def __enter__(self) -> LeaseKeeper:
+    def __enter__(self) -> RowLeases:
         if self._held:
             self._thread.start()
         return self

@@ -17,7 +17,7 @@ SQLite has no row locks: a batch first leases its rows (``lease_owner``/``lease_
 one short write transaction), publishes, then deletes only the rows it still holds. While it
 publishes it keeps the leases (renewed every third of ``lease_s``), and right before each publish
 it renews that row's lease and publishes it only if it still holds it
-(:class:`~idemq.outbox.leases.LeaseKeeper`): a publish slower than the lease does not let another
+(:class:`~idemq.outbox.leases.RowLeases`): a publish slower than the lease does not let another
 relay send the same rows.
 
 Ordering. A row is claimable only when no earlier (lower ``seq``) unsent row of its
@@ -63,7 +63,7 @@ from idemq.errors import (
     StoreUnavailableError,
 )
 from idemq.outbox.admin import cleanup
-from idemq.outbox.leases import LeaseKeeper
+from idemq.outbox.leases import RowLeases
 from idemq.outbox.outbox import Outbox
 from idemq.outbox.statements import Statements
 
@@ -189,7 +189,7 @@ class OutboxRelay:
         ids = [row.id for row in rows]
         # Kept until the settle has committed: a lease running out between the last confirm
         # and the delete would let another relay publish a row already sent.
-        with LeaseKeeper(engine, sql, self.owner, self.lease_s, self.clock, ids) as keeper:
+        with RowLeases(engine, sql, self.owner, self.lease_s, self.clock, ids) as keeper:
             result = self._publish(sorted(rows, key=lambda row: int(row.seq)), keeper.fence)
             with engine.begin() as conn:
                 self._settle(conn, sql, result, mine)
