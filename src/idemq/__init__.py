@@ -33,6 +33,7 @@ from idemq.errors import (
     StoreConflictError,
     StoreError,
     StoreUnavailableError,
+    TransactionLostError,
     UnknownEventError,
 )
 from idemq.guard import AsyncIdempotency, Idempotency, Mode, Outcome, Status
@@ -93,6 +94,7 @@ __all__ = [
     "StoreError",
     "StoreStats",
     "StoreUnavailableError",
+    "TransactionLostError",
     "Transition",
     "TransitionResult",
     "UnknownEventError",

@@ -18,6 +18,7 @@ public API: they are translated at the boundary and kept as ``__cause__``.
     ├── StoreError                              the dedup store failed
     │   ├── StoreUnavailableError               … because it could not be reached or timed out
     │   └── StoreConflictError                  … a transient conflict (deadlock); safe to retry
+    │       └── TransactionLostError            the dedup row is not in what would commit
     ├── LeaseLostError                          a lease expired and another worker took over
     ├── LockError
     │   └── LockNotOwnedError                   release/extend of a lock this owner no longer holds
@@ -48,6 +49,7 @@ __all__ = [
     "StoreConflictError",
     "StoreError",
     "StoreUnavailableError",
+    "TransactionLostError",
     "UnknownEventError",
 ]
 
@@ -129,6 +131,19 @@ class StoreConflictError(StoreError):
 
     Nothing was written; the guard retries a claim that fails this way when it owns the
     transaction, and raises it when it runs inside the caller's transaction.
+    """
+
+
+class TransactionLostError(StoreConflictError):
+    """Transactional mode: just before COMMIT, the transaction no longer holds the message's
+    dedup row, so committing would not record the message as processed.
+
+    A handler caught a database error without a savepoint of its own: PostgreSQL aborted the
+    transaction (its COMMIT would silently roll back), or InnoDB rolled it back on a deadlock
+    and the handler's later statements ran in a new transaction without the row. Everything is
+    rolled back and the message is not acknowledged: idemq runs a transaction of its own again,
+    and a message that keeps losing it is retried as a failed attempt, then dead-lettered. A
+    handler that must survive a failing statement wraps it in ``tx.begin_nested()``.
     """
 
 

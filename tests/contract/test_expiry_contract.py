@@ -203,6 +203,45 @@ def test_racing_deliveries_of_an_expired_message_run_it_once(case):
     assert effects.count("M1") == 2  # the first run, and one rerun after the window
 
 
+LEASE_CASES = [(k, m) for k, m in CASES if m == "lease"]
+
+
+@pytest.mark.parametrize(("kind", "mode"), LEASE_CASES, ids=[k for k, _ in LEASE_CASES])
+def test_the_window_runs_from_the_completion_not_from_the_claim(kind, mode, tmp_path):
+    # A handler that ran for two windows completed long after its claim: half a window after
+    # the completion its record still answers DUPLICATE, although 2.5 windows passed since the
+    # claim. Measured from the claim, the message would run a second time.
+    store = expiring_store(kind, tmp_path)
+    effects = Effects(store, mode)
+    try:
+        clock = FakeClock(START_MS)
+        guard = idemq.Idempotency(
+            store,
+            consumer=unique("c"),
+            mode=mode,
+            lease_s=3 * WINDOW_S,  # the lease outlasts the long handler
+            clock=clock,
+            renew=False,
+        )
+        handle = effects.handler("M1", "slow")
+
+        def slow(tx: Any) -> object:
+            clock.advance(2 * WINDOW_MS)
+            return handle(tx)
+
+        first = guard.process("M1", slow)
+        clock.advance(WINDOW_MS // 2)
+        again = guard.process("M1", effects.handler("M1", "never"))
+
+        assert first.status is idemq.Status.PROCESSED
+        assert again.status is idemq.Status.DUPLICATE
+        assert again.result == "slow"
+        assert effects.count("M1") == 1
+    finally:
+        effects.drop()
+        dispose(store)
+
+
 def test_process_batch_honours_the_window(case):
     store, mode, effects = case
     consumer = unique("c")

@@ -49,6 +49,7 @@ EXPECTED = {
     "StoreConflictError",
     "StoreError",
     "StoreUnavailableError",
+    "TransactionLostError",
     "Transition",
     "TransitionResult",
     "UnknownEventError",

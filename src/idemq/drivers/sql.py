@@ -54,12 +54,15 @@ __all__ = [
     "begin",
     "connection_lost",
     "discard_inherited_connections",
+    "driver_reports_aborts",
     "engine_from_url",
     "parse_url",
     "prepare_sqlite",
     "run",
     "sql_engine",
     "sync_url",
+    "transaction_aborted",
+    "transaction_lost_reason",
     "translate_db_error",
     "translated",
 ]
@@ -192,6 +195,43 @@ def connection_lost(error: BaseException) -> bool:
             return True
         return isinstance(error, exc.OperationalError) and error.statement is None
     return False
+
+
+def driver_reports_aborts(dialect: sa.Dialect) -> bool:
+    """Whether the driver's connection says, without a round trip, that its transaction is
+    still usable: PostgreSQL aborts a transaction at its first failed statement (a COMMIT of it
+    then rolls back, and the driver reports that COMMIT as a success), and psycopg keeps the
+    server's transaction status on the connection."""
+    return dialect.name == "postgresql" and dialect.driver == "psycopg"
+
+
+def transaction_lost_reason(driver_connection: Any) -> str | None:
+    """Why psycopg's ``driver_connection`` (sync or async) holds no usable transaction, or
+    None when it is inside one (``TransactionStatus.INTRANS``); reads the status the server
+    sent with its last reply, so it costs no round trip."""
+    from psycopg.pq import TransactionStatus  # noqa: PLC0415 -- psycopg is an optional extra
+
+    status = driver_connection.info.transaction_status
+    if status == TransactionStatus.INTRANS:
+        return None
+    if status == TransactionStatus.INERROR:
+        return (
+            "a statement inside it failed and PostgreSQL aborted it (a handler caught the error "
+            "without a savepoint of its own: tx.begin_nested()); its COMMIT would roll back"
+        )
+    if status == TransactionStatus.IDLE:
+        return "it was ended (committed or rolled back) by a statement the handler ran"
+    return f"its connection is {TransactionStatus(status).name}"
+
+
+def transaction_aborted(driver_connection: Any) -> bool:
+    """Whether psycopg's ``driver_connection`` is in a transaction a failed statement aborted
+    (``TransactionStatus.INERROR``; no round trip). Unlike :func:`transaction_lost_reason`, a
+    transaction that has not sent its first statement yet (IDLE: psycopg begins lazily) is
+    not aborted."""
+    from psycopg.pq import TransactionStatus  # noqa: PLC0415 -- psycopg is an optional extra
+
+    return bool(driver_connection.info.transaction_status == TransactionStatus.INERROR)
 
 
 @contextmanager

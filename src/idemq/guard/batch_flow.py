@@ -8,10 +8,13 @@ a single message (:mod:`idemq.guard.flow`)::
     per new message:
       [OpenSavepoint]                 isolated pass only
       RunHandler                      handler(msg, tx)
-      SaveResultIn | Complete         the result (a lease is completed, a row updated)
+      ConfirmIn | Complete            the result (a row updated, a lease completed); in a
+                                      transaction, a lost one (the handler caught a database
+                                      error) is this message's failure
       [CloseSavepoint, ReleaseIn]     isolated pass only: its writes, then its claim, undone on
                                       failure — the message is FAILED, the others go on
       Release                         lease mode, on failure
+    ConfirmManyIn                     transactional: every PROCESSED message's row still held
 
 In a transaction the batch first runs *optimistic*: no savepoints (two statements per message),
 so one raising handler fails the whole pass and :class:`BatchPasses` reruns it *isolated* — each
@@ -27,19 +30,25 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from idemq.errors import InvalidInputError, LeaseLostError, PayloadMismatchError
-from idemq.guard.codec import NULL_RESULT
+from idemq.errors import (
+    InvalidInputError,
+    LeaseLostError,
+    PayloadMismatchError,
+    StoreError,
+    TransactionLostError,
+)
 from idemq.guard.core import Mode, Outcome, Policy, Status, judge
 from idemq.guard.flow import (
     ClaimMany,
     ClaimManyIn,
     CloseSavepoint,
     Complete,
+    ConfirmIn,
+    ConfirmManyIn,
     ConflictRetries,
     HandlerRun,
     OpenSavepoint,
     ReleaseIn,
-    SaveResultIn,
     Step,
     raise_if_transaction_lost,
     release_noting_failure,
@@ -157,6 +166,7 @@ def batch_flow(
         claims = yield ClaimManyIn(to_claim) if transactional else ClaimMany(to_claim)
     claimed = iter(claims)
     outcomes: list[Outcome[Any]] = []
+    processed: list[ClaimRequest] = []
     for i, request in enumerate(plan.requests):
         message_id = request.key.message_id
         if i in failures:
@@ -177,12 +187,17 @@ def batch_flow(
             run = yield from _handle_leased(policy, request, messages[i], claim.fence)
         if run.error is None:
             outcomes.append(Outcome.processed(message_id, run.result))
+            processed.append(request)
         elif not isinstance(run.error, Exception):
             raise run.error  # KeyboardInterrupt, cancellation: the batch stops here
         elif isolated:
             outcomes.append(Outcome.failed(message_id, run.error))
         else:
             raise HandlerFailedError(i, run.error) from run.error
+    if transactional and processed:
+        # A later handler that caught a deadlock may have lost the whole transaction, earlier
+        # messages' rows with it: the pass is PROCESSED only if every row is still held.
+        yield ConfirmManyIn(processed)
     return outcomes
 
 
@@ -193,10 +208,23 @@ def _handle_in_transaction(
     run = yield from run_handler(policy, request, message, None)
     if run.error is not None:
         yield from raise_if_transaction_lost(run.error)  # fails the pass, never one message
-    elif run.encoded != NULL_RESULT:
-        yield SaveResultIn(request.key, run.encoded)
+    else:
+        try:
+            yield ConfirmIn(request.key, request.owner, run.encoded, deferred=True)
+        except TransactionLostError as exc:
+            # This handler caught a database error and lost the transaction (PostgreSQL
+            # aborted it): its failure, as if it had raised. Optimistic pass: the isolated one
+            # marks it FAILED; isolated: its savepoint's rollback restores the transaction.
+            run = HandlerRun(error=exc)
     if isolated:
-        yield CloseSavepoint(savepoint, commit=run.error is None)
+        try:
+            yield CloseSavepoint(savepoint, commit=run.error is None)
+        except StoreError as exc:
+            if isinstance(run.error, TransactionLostError):
+                # The savepoint went with the transaction (InnoDB rolled it back whole): the
+                # pass fails and, as a conflict, runs again.
+                raise run.error from exc
+            raise
         if run.error is not None:
             # Its dedup row was written with the batch's claims: undo it too, so that the
             # message can be retried rather than answered DUPLICATE with no effect.

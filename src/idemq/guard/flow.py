@@ -6,7 +6,8 @@ Transactional mode — the shell opens the transaction and runs the flow inside 
     ClaimIn        INSERT the dedup row as PROCESSED; a concurrent twin waits on its row lock
     (judge)        an existing row → DUPLICATE (result replayed) or IN_PROGRESS, nothing written
     RunHandler     handler(tx): the business writes, through the same connection
-    SaveResultIn   only for a result other than None (the row was written with ``null``)
+    ConfirmIn      prove the transaction still holds the dedup row (and store the result):
+                   a handler that caught a database error may have lost it (see ConfirmIn)
     —              the shell commits: dedup row and effect become visible together, or neither
 
 Lease mode (any store)::
@@ -49,6 +50,8 @@ __all__ = [
     "ClaimManyIn",
     "CloseSavepoint",
     "Complete",
+    "ConfirmIn",
+    "ConfirmManyIn",
     "ConflictRetries",
     "Flow",
     "HandlerFailureIn",
@@ -58,7 +61,6 @@ __all__ = [
     "Release",
     "ReleaseIn",
     "RunHandler",
-    "SaveResultIn",
     "Step",
     "StoreStep",
     "message_flow",
@@ -143,14 +145,37 @@ class ClaimManyIn(StoreStep):
 
 
 @dataclass(frozen=True, slots=True)
-class SaveResultIn(StoreStep):
-    """Transactional: store the handler's result on its dedup row, inside ``tx``."""
+class ConfirmIn(StoreStep):
+    """Transactional: right before the COMMIT, prove that ``tx`` still holds the dedup row
+    ``owner`` claimed, storing ``result`` on it; raises :class:`~idemq.TransactionLostError`
+    when it does not.
+
+    Without it, a handler that caught a database error would be answered PROCESSED and its
+    message acknowledged while nothing of it commits: PostgreSQL aborts the transaction at the
+    failed statement and its COMMIT silently rolls back (effect and dedup row lost); InnoDB
+    rolls a deadlocked transaction back and the handler's later statements commit in a new one
+    without the dedup row (the redelivery applies the effect again). ``deferred``: a batch's
+    :class:`ConfirmManyIn` proves the row later, so only a free check is made now.
+    """
 
     key: Key
+    owner: str
     result: str
+    deferred: bool = False
 
     def call(self, store: Any, tx: Any) -> Any:
-        return store.save_result_in(tx, self.key, self.result)
+        return store.confirm_in(tx, self.key, self.owner, self.result, deferred=self.deferred)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfirmManyIn(StoreStep):
+    """Transactional batch: :class:`ConfirmIn` for every PROCESSED message of the pass at once
+    (one read, or none where the driver's transaction status is proof)."""
+
+    requests: Sequence[ClaimRequest]
+
+    def call(self, store: Any, tx: Any) -> Any:
+        return store.confirm_many_in(tx, self.requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,8 +330,17 @@ def message_flow(
     cached = None if cache is None else cache.get(request.key.message_id, request.now_ms)
     if cached is not None:
         claim = StoredClaim.lost_to(cached)
+    elif transactional:
+        claim = yield ClaimIn(request)  # a conflict reruns the transaction (ConflictRetries)
     else:
-        claim = yield ClaimIn(request) if transactional else Claim(request)
+        try:
+            claim = yield Claim(request)
+        except StoreConflictError:
+            # The store ran its claim again and again, and each time a concurrent transaction
+            # on the same record (a twin's claim, a takeover, a complete) rolled it back:
+            # nothing was written, and someone else is handling the message. Not acked, and
+            # not counted against it as a failure: it comes back later and meets that record.
+            return Outcome(Status.IN_PROGRESS, request.key.message_id)
     if probe is not None:
         probe.claimed(claim_status(claim))
     judged = judge(policy, request, claim)
@@ -324,10 +358,10 @@ def message_flow(
         else:
             yield from release_noting_failure(request, run.error)
         raise run.error
-    if not transactional:
+    if transactional:
+        yield ConfirmIn(request.key, request.owner, run.encoded)
+    else:
         yield Complete(request.key, request.owner, run.encoded, policy.clock())
-    elif run.encoded != NULL_RESULT:
-        yield SaveResultIn(request.key, run.encoded)
     return Outcome.processed(request.key.message_id, run.result)
 
 
@@ -351,7 +385,10 @@ def _wait_for_holder(
         yield Pause(min(delay_s, left_s))
         delay_s = min(delay_s * 2, _LONGEST_WAIT_S)
         request = dataclasses.replace(request, now_ms=policy.clock())
-        claim = yield Claim(request)
+        try:
+            claim = yield Claim(request)
+        except StoreConflictError:
+            continue  # the holder's record is busy (see message_flow): still in progress
         current = judge(policy, request, claim)
     return current, request, claim
 

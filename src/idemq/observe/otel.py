@@ -5,7 +5,7 @@ One message gives this tree (span kind INTERNAL; attributes never include the pa
     idemq.process      messaging.message.id, idemq.consumer, idemq.outcome
     ├── idemq.claim    idemq.claim.status = won | duplicate | in_progress
     ├── idemq.handler  current while the handler runs, so your DB/HTTP spans nest under it
-    └── idemq.complete save_result + COMMIT (transactional) or complete (lease)
+    └── idemq.complete confirm_in + COMMIT (transactional) or complete (lease)
 
 An error sets the span status to ERROR with the exception's *class name* only: its text may
 quote the payload or a statement's parameters. Without an SDK configured, opentelemetry-api
@@ -94,7 +94,7 @@ class _SpanProbe:
         if error is not None:
             _fail(self._current, error)
         self._current.end()
-        # What follows a successful handler is the completion (save_result + COMMIT / complete).
+        # What follows a successful handler is the completion (confirm_in + COMMIT / complete).
         self._current = None if error is not None else self._child("idemq.complete")
 
     def finished(self, outcome: Outcome[Any] | None, error: BaseException | None) -> None:

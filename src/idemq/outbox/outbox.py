@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 
 from idemq._clock import system_clock_ms
 from idemq._plan import Plan, adrive, drive
-from idemq.drivers.sql import translate_db_error
-from idemq.errors import ConfigurationError, InvalidInputError
+from idemq.drivers.sql import driver_reports_aborts, transaction_aborted, translate_db_error
+from idemq.errors import ConfigurationError, InvalidInputError, TransactionLostError
 from idemq.outbox.ids import next_outbox_id
 from idemq.outbox.schema import (
     DEFAULT_TABLE,
@@ -104,6 +104,15 @@ class OutboxBase:
     def _failed(self, exc: DBAPIError) -> Exception:
         return translate_db_error(exc, f"outbox add to {self.table}")
 
+    def _check_not_aborted(self, driver_connection: Any) -> None:
+        # A handler that caught a failed statement without a savepoint of its own leaves
+        # PostgreSQL's transaction aborted: its COMMIT rolls back, so the row would never be sent.
+        if transaction_aborted(driver_connection):
+            raise TransactionLostError(
+                f"outbox add to {self.table}: the transaction it joins was aborted by a failed "
+                "statement (catch errors inside tx.begin_nested()); nothing would commit"
+            )
+
 
 class Outbox(OutboxBase):
     """Outgoing messages kept in ``store``'s database until a relay publishes them.
@@ -168,6 +177,8 @@ class Outbox(OutboxBase):
         trip, to look.
         """
         conn = _sync_connection(conn_or_session)
+        if driver_reports_aborts(conn.dialect):
+            self._check_not_aborted(conn.connection.driver_connection)
         plan = add_plan(
             self.statements(conn.dialect),
             destination,
@@ -231,6 +242,9 @@ class AsyncOutbox(OutboxBase):
             raise ConfigurationError(
                 f"add needs an AsyncConnection or AsyncSession, got {type(conn_or_session)}"
             )
+        if driver_reports_aborts(conn.dialect):
+            raw = await conn.get_raw_connection()
+            self._check_not_aborted(raw.driver_connection)
         plan = add_plan(
             self.statements(conn.dialect),
             destination,

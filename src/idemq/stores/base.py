@@ -32,6 +32,7 @@ from idemq.errors import ConfigurationError, StoreError
 __all__ = [
     "DEFAULT_CONSUMER",
     "LEASE_CLOCKS",
+    "STORED_NONE",
     "UTC_EPOCH",
     "AsyncStore",
     "ForgetResult",
@@ -53,6 +54,10 @@ DEFAULT_CONSUMER = "default"
 LEASE_CLOCKS = ("store", "client")
 """The values of the SQL and Redis stores' ``lease_clock`` option: leases set and judged on the
 store server's clock, or on the guard's (injected) clock."""
+
+STORED_NONE = "null"
+"""A handler's ``None`` result as stored (the guard's JSON for it): what a transactional claim
+writes up front, so that a handler returning None needs no write of its result."""
 
 UTC_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 """Epoch milliseconds 0 as an aware datetime: ``UTC_EPOCH + MILLISECOND * ms``."""
@@ -284,7 +289,17 @@ class TransactionalStore(Store, Protocol):
 
     def claim_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
 
-    def save_result_in(self, tx: Any, key: Key, result: str) -> None: ...
+    def confirm_in(
+        self, tx: Any, key: Key, owner: str, result: str, *, deferred: bool = False
+    ) -> None:
+        """Store ``result`` on the row ``owner`` claimed in ``tx`` and prove, right before the
+        COMMIT, that ``tx`` still holds that row: raise :class:`~idemq.TransactionLostError`
+        otherwise (the transaction was aborted or rolled back under a handler that caught the
+        error). ``deferred``: a later :meth:`confirm_many_in` proves the row, so only what costs
+        no extra statement is checked now."""
+
+    def confirm_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> None:
+        """:meth:`confirm_in` for a batch's claimed rows at once (results already stored)."""
 
     def release_in(self, tx: Any, key: Key, owner: str) -> None:
         """Delete a claim made by ``claim_many_in`` whose handler failed (batch savepoints)."""
@@ -351,7 +366,11 @@ class AsyncTransactionalStore(AsyncStore, Protocol):
 
     async def claim_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
 
-    async def save_result_in(self, tx: Any, key: Key, result: str) -> None: ...
+    async def confirm_in(
+        self, tx: Any, key: Key, owner: str, result: str, *, deferred: bool = False
+    ) -> None: ...
+
+    async def confirm_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> None: ...
 
     async def release_in(self, tx: Any, key: Key, owner: str) -> None: ...
 

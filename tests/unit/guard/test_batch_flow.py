@@ -133,8 +133,11 @@ def test_an_optimistic_pass_runs_handlers_without_savepoints():
         [Claim.won(), Claim.won()],
         {"a": (True, {"r": 1}), "b": (True, None)},
     )
-    # b returned None: its row already holds null, so nothing is saved for it.
-    assert trail == ["ClaimManyIn", "RunHandler", "SaveResultIn", "RunHandler"]
+    # Each row is confirmed as its handler returns (the store makes only free checks then),
+    # and the batch's rows all at once before the commit.
+    assert trail == [
+        "ClaimManyIn", "RunHandler", "ConfirmIn", "RunHandler", "ConfirmIn", "ConfirmManyIn"
+    ]  # fmt: skip
 
 
 def test_an_isolated_pass_undoes_a_failed_message_and_keeps_the_others():
@@ -146,7 +149,8 @@ def test_an_isolated_pass_undoes_a_failed_message_and_keeps_the_others():
     assert trail == [
         "ClaimManyIn",
         "OpenSavepoint", "RunHandler", "HandlerFailureIn", "CloseSavepoint", "ReleaseIn",
-        "OpenSavepoint", "RunHandler", "CloseSavepoint",
+        "OpenSavepoint", "RunHandler", "ConfirmIn", "CloseSavepoint",
+        "ConfirmManyIn",
     ]  # fmt: skip
     assert [o.status for o in outcomes] == [Status.FAILED, Status.PROCESSED]
 
@@ -253,3 +257,56 @@ def test_a_deadlock_inside_the_callers_transaction_is_the_callers_to_retry():
     passes = BatchPasses(owns_transaction=False)
     assert not passes.again(idemq.StoreConflictError("deadlock"))
     assert passes.again(HandlerFailedError(0, ValueError("boom")))  # a savepoint each, still
+
+
+def test_a_message_that_lost_the_transaction_reruns_the_pass_isolated():
+    # PostgreSQL: handler "a" caught a failed statement, so the transaction is aborted (the
+    # free status check finds it right after that handler): it is a's failure, as if it raised.
+    flow = flow_of("a", "b", mode="transactional", isolated=False)
+    next(flow)
+    assert isinstance(flow.send([Claim.won(), Claim.won()]), steps.RunHandler)
+    assert isinstance(flow.send((True, None)), steps.ConfirmIn)
+    lost = idemq.TransactionLostError("aborted")
+    with pytest.raises(HandlerFailedError) as raised:
+        flow.throw(lost)
+    assert (raised.value.index, raised.value.error) == (0, lost)
+
+
+def test_in_an_isolated_pass_a_lost_transaction_fails_only_its_message():
+    # Rolling back to the message's savepoint restores PostgreSQL's aborted transaction.
+    flow = flow_of("a", "b", mode="transactional", isolated=True)
+    next(flow)
+    assert isinstance(flow.send([Claim.won(), Claim.won()]), steps.OpenSavepoint)
+    assert isinstance(flow.send("sp"), steps.RunHandler)
+    assert isinstance(flow.send((True, None)), steps.ConfirmIn)
+    close = flow.throw(idemq.TransactionLostError("aborted"))
+    assert isinstance(close, steps.CloseSavepoint)
+    assert not close.commit
+    assert isinstance(flow.send(None), steps.ReleaseIn)
+    assert isinstance(flow.send(None), steps.OpenSavepoint)
+    assert isinstance(flow.send("sp2"), steps.RunHandler)
+    assert isinstance(flow.send((True, None)), steps.ConfirmIn)
+    assert isinstance(flow.send(None), steps.CloseSavepoint)
+    confirm_many = flow.send(None)
+    assert isinstance(confirm_many, steps.ConfirmManyIn)
+    assert [r.key.message_id for r in confirm_many.requests] == ["b"]
+    with pytest.raises(StopIteration) as stop:
+        flow.send(None)
+    outcomes = stop.value.value
+    assert [o.status for o in outcomes] == [Status.FAILED, Status.PROCESSED]
+    assert isinstance(outcomes[0].error, idemq.TransactionLostError)
+
+
+def test_a_lost_transaction_whose_savepoint_is_gone_fails_the_pass_as_a_conflict():
+    # InnoDB rolled the whole transaction back: no savepoint to return to.
+    flow = flow_of("a", mode="transactional", isolated=True)
+    next(flow)
+    flow.send([Claim.won()])
+    flow.send("sp")
+    flow.send((True, None))
+    lost = idemq.TransactionLostError("rolled back")
+    assert isinstance(flow.throw(lost), steps.CloseSavepoint)
+    with pytest.raises(idemq.TransactionLostError) as raised:
+        flow.throw(idemq.StoreError("SAVEPOINT does not exist"))
+    assert raised.value is lost
+    assert BatchPasses(owns_transaction=True).again(raised.value)  # run again, as a conflict

@@ -54,15 +54,17 @@ def test_lease_mode_claims_runs_and_completes():
     assert (outcome.status, outcome.result) == (Status.PROCESSED, {"n": 1})
 
 
-def test_transactional_mode_saves_a_result_in_the_transaction():
+def test_transactional_mode_confirms_the_row_with_its_result_before_the_commit():
     trail, outcome = run(flow_of("transactional"), Claim.won(), (True, 0))
-    assert trail == ["ClaimIn", "RunHandler", "SaveResultIn"]  # 0 is not None: it is saved
+    assert trail == ["ClaimIn", "RunHandler", "ConfirmIn"]
     assert outcome.result == 0
 
 
-def test_a_none_result_needs_no_second_statement():
+def test_a_none_result_is_confirmed_too():
+    # The row already holds null, but only the confirmation proves the transaction still holds
+    # the row: a handler may have caught an error that aborted or rolled it back.
     trail, _ = run(flow_of("transactional"), Claim.won(), (True, None))
-    assert trail == ["ClaimIn", "RunHandler"]
+    assert trail == ["ClaimIn", "RunHandler", "ConfirmIn"]
 
 
 @pytest.mark.parametrize("mode", ["lease", "transactional"])
@@ -152,3 +154,41 @@ def test_a_deadlock_in_the_callers_transaction_is_the_callers_to_retry():
     retries = ConflictRetries(owns_transaction=False)
     assert not retries.again(idemq.StoreConflictError("deadlock"))
     assert not ConflictRetries(owns_transaction=True).again(ValueError("not a conflict"))
+
+
+def test_a_lease_claim_that_keeps_conflicting_is_in_progress_not_an_error():
+    # The store reran its claim transaction until its attempts ran out, each rolled back by a
+    # concurrent one on the same record: nothing is written, the message is not acked, and it
+    # is not the handler's failure either.
+    flow = flow_of("lease")
+    assert isinstance(next(flow), steps.Claim)
+    with pytest.raises(StopIteration) as stop:
+        flow.throw(idemq.StoreConflictError("deadlock"))
+    outcome = stop.value.value
+    assert outcome.status is Status.IN_PROGRESS
+    assert not outcome.should_ack
+
+
+def test_a_transactional_claim_conflict_goes_to_the_retries():
+    flow = flow_of("transactional")
+    assert isinstance(next(flow), steps.ClaimIn)
+    with pytest.raises(idemq.StoreConflictError):
+        flow.throw(idemq.StoreConflictError("deadlock"))
+
+
+def test_a_waiting_duplicate_whose_claim_conflicts_keeps_waiting():
+    now = [1_000]
+    policy = Policy.build(
+        consumer="c", mode="lease", lease_s=30.0, clock=lambda: now[0], wait_s=1.0
+    )
+    flow = message_flow(policy, policy.request("m1"), None)
+    assert isinstance(next(flow), steps.Claim)
+    held = Record("c", "m1", RecordStatus.PROCESSING, owner="other", lease_until_ms=60_000)
+    assert isinstance(flow.send(Claim.lost_to(held)), steps.Pause)
+    assert isinstance(flow.send(None), steps.Claim)
+    assert isinstance(flow.throw(idemq.StoreConflictError("deadlock")), steps.Pause)
+    assert isinstance(flow.send(None), steps.Claim)
+    done = Record("c", "m1", RecordStatus.PROCESSED, result='"r"')
+    with pytest.raises(StopIteration) as stop:
+        flow.send(Claim.lost_to(done))
+    assert (stop.value.value.status, stop.value.value.result) == (Status.DUPLICATE, "r")

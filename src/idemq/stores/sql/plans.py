@@ -48,7 +48,12 @@ from sqlalchemy import (
 from sqlalchemy.sql.expression import ColumnClause
 
 from idemq.drivers.sql import Plan, Step
-from idemq.errors import ConfigurationError, LeaseLostError, StoreConflictError
+from idemq.errors import (
+    ConfigurationError,
+    LeaseLostError,
+    StoreConflictError,
+    TransactionLostError,
+)
 from idemq.stores.base import (
     MILLISECOND,
     Claim,
@@ -306,8 +311,17 @@ class SqlPlans(ABC):
             c.consumer == bindparam("b_consumer"),
             c.message_id.in_(bindparam("b_message_ids", expanding=True)),
         )
-        self.save_result_stmt = (
-            update(table).where(self.key_is).values(result=bindparam("b_result"))
+        # The result written only to the row this transaction claimed: a twin's committed row
+        # carries another owner, so finding it is never mistaken for holding ours.
+        self.confirm_stmt = (
+            update(table).where(self.key_is, owner_is).values(result=bindparam("b_result"))
+        )
+        # A batch's rows, proven in one statement: each owner token is random and drawn for one
+        # message, so an (id, owner) pair across two messages can never match.
+        self.confirm_many_stmt = select(func.count()).where(
+            c.consumer == bindparam("b_consumer"),
+            c.message_id.in_(bindparam("b_message_ids", expanding=True)),
+            c.owner.in_(bindparam("b_owners", expanding=True)),
         )
         self.complete_stmt = (
             update(table)
@@ -475,9 +489,42 @@ class SqlPlans(ABC):
 
     # -- the other primitives ----------------------------------------------------------------
 
-    def save_result(self, key: Key, result: str) -> Plan[None]:
-        """Store the handler's result on the record claimed in this transaction."""
-        yield Step(self.save_result_stmt, {**key_params(key), "b_result": result})
+    def confirm(self, key: Key, owner: str, result: str) -> Plan[None]:
+        """Store the handler's result on the record ``owner`` claimed in this transaction, and
+        prove by it that the transaction still holds that record: :class:`TransactionLostError`
+        when it touched no row.
+
+        It must touch the row even for a ``null`` result, already stored by the claim: when the
+        server rolled the transaction back (InnoDB on a deadlock) and the handler went on, its
+        later statements ran in a new transaction without the row, and only a statement that
+        looks for the row can tell. MySQL's dialects connect with ``CLIENT_FOUND_ROWS``, so the
+        count is of rows matched, not of rows whose value changed.
+        """
+        params = {**key_params(key), "b_owner": owner, "b_result": result}
+        if (yield Step(self.confirm_stmt, params)).rowcount != 1:
+            raise TransactionLostError(
+                f"the dedup row of {key.message_id!r} ({key.consumer}) is no longer in this "
+                "transaction: the server rolled it back (a deadlock or lock timeout the handler "
+                "caught) or the handler deleted it; nothing is committed, the message runs again"
+            )
+
+    def confirm_many(self, keys: Sequence[Key], owners: Sequence[str]) -> Plan[None]:
+        """:meth:`confirm` for a batch's rows (one consumer) whose results are stored: one read
+        that finds every ``(key, owner)``, or :class:`TransactionLostError`."""
+        if not keys:
+            return
+        params = {
+            "b_consumer": keys[0].consumer,
+            "b_message_ids": [key.message_id for key in keys],
+            "b_owners": list(owners),
+        }
+        found = (yield Step(self.confirm_many_stmt, params)).rows[0][0]
+        if found != len(keys):
+            raise TransactionLostError(
+                f"{len(keys) - found} of the batch's {len(keys)} dedup rows are no longer in "
+                "this transaction: the server rolled it back (a deadlock or lock timeout a "
+                "handler caught); nothing is committed, the batch runs again"
+            )
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> Plan[None]:
         """PROCESSING → PROCESSED; :class:`~idemq.LeaseLostError` unless ``owner`` holds it."""

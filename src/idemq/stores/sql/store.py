@@ -10,6 +10,8 @@ shared with the asyncio twin, :class:`~idemq.stores.sql.store_async.AsyncSqlStor
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -24,8 +26,10 @@ from idemq._clock import system_clock_ms
 from idemq.drivers.sql import (
     Plan,
     begin,
+    driver_reports_aborts,
     engine_from_url,
     run,
+    transaction_lost_reason,
     translate_db_error,
     translated,
 )
@@ -34,10 +38,12 @@ from idemq.errors import (
     StoreConflictError,
     StoreError,
     StoreUnavailableError,
+    TransactionLostError,
 )
 from idemq.stores.base import (
     DEFAULT_CONSUMER,
     LEASE_CLOCKS,
+    STORED_NONE,
     Claim,
     ClaimRequest,
     ForgetResult,
@@ -57,7 +63,14 @@ from idemq.stores.sql.schema import (
 )
 from idemq.stores.sql.versions import create_recorded, forget_version, plan_upgrade
 
-__all__ = ["DEFAULT_URL", "OWN_TRANSACTION_ATTEMPTS", "SqlStore", "SqlStoreBase", "schema_sql"]
+__all__ = [
+    "CONFLICT_PAUSE_S",
+    "DEFAULT_URL",
+    "OWN_TRANSACTION_ATTEMPTS",
+    "SqlStore",
+    "SqlStoreBase",
+    "schema_sql",
+]
 
 DEFAULT_URL = "sqlite:///idemq.db"
 
@@ -65,8 +78,12 @@ log = logging.getLogger("idemq.store")
 
 T = TypeVar("T")
 
-OWN_TRANSACTION_ATTEMPTS = 3
+OWN_TRANSACTION_ATTEMPTS = 6
 """How often a store's own transaction runs when the server keeps rolling it back (deadlocks)."""
+
+CONFLICT_PAUSE_S = 0.01
+"""The first window of the random pause before a store's own transaction runs again after a
+conflict; it doubles at each further conflict (see :meth:`SqlStoreBase.conflict_pause_s`)."""
 
 #: A primitive, given the store's plans: ``lambda plans: plans.get(key)``.
 Primitive = Callable[[SqlPlans], Plan[T]]
@@ -111,6 +128,7 @@ class SqlStoreBase:
         self.expires_after_ms = expiry_ms(expires_after_s)
         self._plans: SqlPlans | None = None
         self.where = f"{url.render_as_string(hide_password=True)} table {table}"
+        self._jitter = random.Random()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.where!r})"
@@ -167,6 +185,55 @@ class SqlStoreBase:
             return None
         lost = translate_db_error(error, f"a handler's statement on {self.where}")
         return lost if isinstance(lost, StoreConflictError | StoreUnavailableError) else None
+
+    def conflict_pause_s(self, conflicts: int) -> float:
+        """How long to wait before a store's own transaction runs again after its
+        ``conflicts``-th deadlock: a random share of a window that doubles each time.
+
+        Racers that deadlocked one another (lease claims of one message, on MySQL's portable
+        plan: each holds a shared lock from INSERT IGNORE and wants it exclusive for the
+        takeover or the expired record's delete) would otherwise run again in lock-step and
+        meet in the same deadlock, until one ran out of attempts.
+        """
+        return self._jitter.uniform(0, CONFLICT_PAUSE_S * 2 ** (conflicts - 1))
+
+    def _confirm_plan(
+        self, driver_connection: Any, key: Key, owner: str, result: str, *, deferred: bool
+    ) -> Primitive[None] | None:
+        """The first half of ``confirm_in``: raise :class:`~idemq.TransactionLostError` if the
+        driver already says the transaction is gone (``driver_connection``: psycopg's, else
+        None), then the statement still needed, if any.
+
+        On psycopg the status is complete: every failed statement aborts a PostgreSQL
+        transaction, so one still INTRANS holds every row it wrote, and only a result other
+        than None needs its UPDATE. Elsewhere (InnoDB rolls a transaction back on a deadlock
+        and the next statement starts a new one; SQLite) only a statement that finds the row
+        proves it, unless a batch's single read does so later (``deferred``).
+        """
+        if driver_connection is not None:
+            reason = transaction_lost_reason(driver_connection)
+            if reason is not None:
+                raise TransactionLostError(
+                    f"the transaction of {key.message_id!r} ({key.consumer}) on {self.where} is "
+                    f"lost: {reason}; nothing is committed, the message runs again"
+                )
+            if result == STORED_NONE:
+                return None
+        elif deferred and result == STORED_NONE:
+            return None
+        return lambda plans: plans.confirm(key, owner, result)
+
+    def _must_read_rows(self, driver_connection: Any, requests: Sequence[ClaimRequest]) -> bool:
+        """``confirm_many_in``: True when a read must prove the rows (no psycopg status)."""
+        if driver_connection is None:
+            return True
+        reason = transaction_lost_reason(driver_connection)
+        if reason is not None:
+            raise TransactionLostError(
+                f"the transaction of a batch of {len(requests)} on {self.where} is lost: "
+                f"{reason}; nothing is committed, the batch runs again"
+            )
+        return False
 
     @staticmethod
     def _cutoff_ms(older_than: timedelta, now_ms: int | None) -> int:
@@ -286,8 +353,8 @@ class SqlStore(SqlStoreBase):
 
     def _own_transaction(self, doing: str, primitive: Primitive[T]) -> T:
         """Run ``primitive`` in a short transaction of the store's own, and again (up to
-        :data:`OWN_TRANSACTION_ATTEMPTS` times) when it ends in a
-        :class:`~idemq.StoreConflictError`: the transaction was rolled back whole, so nothing
+        :data:`OWN_TRANSACTION_ATTEMPTS` times, after :meth:`conflict_pause_s`) when it ends in
+        a :class:`~idemq.StoreConflictError`: the transaction was rolled back whole, so nothing
         of it is left to redo. Two lease claims that both read a record under a shared lock and
         then change it (MySQL's portable plan, an expired record's delete) deadlock; the loser
         runs again and finds the winner's claim."""
@@ -299,6 +366,7 @@ class SqlStore(SqlStoreBase):
             except StoreConflictError:
                 if attempt >= OWN_TRANSACTION_ATTEMPTS:
                     raise
+                time.sleep(self.conflict_pause_s(attempt))
                 attempt += 1
 
     # -- transactional primitives ------------------------------------------------------------
@@ -313,9 +381,29 @@ class SqlStore(SqlStoreBase):
             tx, "claim_many", lambda plans: plans.claim_many(requests, True)
         )
 
-    def save_result_in(self, tx: Connection, key: Key, result: str) -> None:
-        """Store the handler's result on the record claimed in ``tx``."""
-        self._in_transaction(tx, "save_result", lambda plans: plans.save_result(key, result))
+    def confirm_in(
+        self, tx: Connection, key: Key, owner: str, result: str, *, deferred: bool = False
+    ) -> None:
+        """See :meth:`idemq.stores.base.TransactionalStore.confirm_in`."""
+        primitive = self._confirm_plan(
+            self._driver_connection(tx), key, owner, result, deferred=deferred
+        )
+        if primitive is not None:
+            self._in_transaction(tx, "confirm", primitive)
+
+    def confirm_many_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> None:
+        """See :meth:`idemq.stores.base.TransactionalStore.confirm_many_in`."""
+        if requests and self._must_read_rows(self._driver_connection(tx), requests):
+            keys = [r.key for r in requests]
+            owners = [r.owner for r in requests]
+            self._in_transaction(tx, "confirm", lambda plans: plans.confirm_many(keys, owners))
+
+    def _driver_connection(self, tx: Connection) -> Any:
+        """psycopg's connection under ``tx`` when it reports aborted transactions, else None."""
+        if not driver_reports_aborts(tx.dialect):
+            return None
+        with translated(f"confirm on {self.where}"):
+            return tx.connection.driver_connection
 
     def release_in(self, tx: Connection, key: Key, owner: str) -> None:
         """Undo a batch claim of ``owner`` inside ``tx``."""

@@ -6,6 +6,7 @@ The same plans (:mod:`idemq.stores.sql.dialects`), the same base, the same bound
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import timedelta
@@ -15,7 +16,13 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from idemq._clock import system_clock_ms
-from idemq.drivers.sql import abegin, arun, async_engine_from_url, translated
+from idemq.drivers.sql import (
+    abegin,
+    arun,
+    async_engine_from_url,
+    driver_reports_aborts,
+    translated,
+)
 from idemq.errors import ConfigurationError, StoreConflictError, StoreError
 from idemq.stores.base import (
     DEFAULT_CONSUMER,
@@ -128,6 +135,7 @@ class AsyncSqlStore(SqlStoreBase):
             except StoreConflictError:
                 if attempt >= OWN_TRANSACTION_ATTEMPTS:
                     raise
+                await asyncio.sleep(self.conflict_pause_s(attempt))
                 attempt += 1
 
     async def claim_in(self, tx: AsyncConnection, request: ClaimRequest) -> Claim:
@@ -144,9 +152,30 @@ class AsyncSqlStore(SqlStoreBase):
             tx, "claim_many", lambda plans: plans.claim_many(requests, True)
         )
 
-    async def save_result_in(self, tx: AsyncConnection, key: Key, result: str) -> None:
-        """Store the handler's result on the record claimed in ``tx``."""
-        await self._in_transaction(tx, "save_result", lambda plans: plans.save_result(key, result))
+    async def confirm_in(
+        self, tx: AsyncConnection, key: Key, owner: str, result: str, *, deferred: bool = False
+    ) -> None:
+        """See :meth:`SqlStore.confirm_in`."""
+        driver = await self._driver_connection(tx)
+        primitive = self._confirm_plan(driver, key, owner, result, deferred=deferred)
+        if primitive is not None:
+            await self._in_transaction(tx, "confirm", primitive)
+
+    async def confirm_many_in(self, tx: AsyncConnection, requests: Sequence[ClaimRequest]) -> None:
+        """See :meth:`SqlStore.confirm_many_in`."""
+        if requests and self._must_read_rows(await self._driver_connection(tx), requests):
+            keys = [r.key for r in requests]
+            owners = [r.owner for r in requests]
+            await self._in_transaction(
+                tx, "confirm", lambda plans: plans.confirm_many(keys, owners)
+            )
+
+    async def _driver_connection(self, tx: AsyncConnection) -> Any:
+        """See :meth:`SqlStore._driver_connection`."""
+        if not driver_reports_aborts(tx.dialect):
+            return None
+        with translated(f"confirm on {self.where}"):
+            return (await tx.get_raw_connection()).driver_connection
 
     async def release_in(self, tx: AsyncConnection, key: Key, owner: str) -> None:
         """Undo a batch claim of ``owner`` inside ``tx``."""
