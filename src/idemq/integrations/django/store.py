@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from idemq.drivers.sql import Plan, driver_reports_aborts, translate_db_error
+from idemq.drivers.sql import Plan, driver_reports_aborts, translate_db_error, translated
 from idemq.errors import ConfigurationError, StoreError, TransactionLostError
 from idemq.integrations.django._sql import CursorRunner, wrap_driver_error
 from idemq.integrations.django._urls import database_url
@@ -114,10 +114,14 @@ class DjangoStore(SqlStoreBase):
     def _cursor_runner(self) -> CursorRunner:
         if self._runner is None:
             own = self.own_store()
-            # One connect teaches the dialect the server (MariaDB or MySQL, its version: what
-            # the statements may use, RETURNING above all).
-            own.stats()
             dialect = own.engine.dialect
+            if dialect.name != "sqlite":
+                # One connect teaches the dialect the server (MariaDB or MySQL, its version:
+                # what the statements may use, RETURNING above all). Not on SQLite: its dialect
+                # knows the library already, and inside the caller's atomic() block Django
+                # holds the database's only write lock, which a second connection waits on.
+                with translated(f"connect to {self.where}"), own.engine.connect():
+                    pass
             self._runner = CursorRunner(dialect, dialect.loaded_dbapi, self.where)
         return self._runner
 
