@@ -65,10 +65,18 @@ def test_inside_the_callers_atomic_block_it_is_a_savepoint(alias: str, store: Dj
 
     guard = idemq.Idempotency(store, consumer=unique("c"))
     order = unique("o")
-    with pytest.raises(Boom), transaction.atomic(using=alias):
-        outcome = guard.process("m-1", lambda tx: pay(alias, order), connection=connections[alias])
-        assert outcome.status is idemq.Status.PROCESSED
-        raise Boom  # the caller's transaction rolls back: dedup row and effect with it
+    outcomes: list[idemq.Outcome[Any]] = []
+
+    def caller() -> None:
+        with transaction.atomic(using=alias):
+            outcomes.append(
+                guard.process("m-1", lambda tx: pay(alias, order), connection=connections[alias])
+            )
+            raise Boom  # the caller's transaction rolls back: dedup row and effect with it
+
+    with pytest.raises(Boom):
+        caller()
+    assert outcomes[0].status is idemq.Status.PROCESSED
     assert payments(alias, order) == 0
     assert store.get("m-1", guard.policy.consumer) is None
     with transaction.atomic(using=alias):
