@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from idemq.integrations.django.decorators import idempotent
 from idemq.integrations.django.store import DjangoStore
 
-__all__ = ["DjangoStore"]
+__all__ = ["DjangoStore", "idempotent"]

@@ -122,6 +122,8 @@ class DjangoStore(SqlStoreBase):
                 # holds the database's only write lock, which a second connection waits on.
                 with translated(f"connect to {self.where}"), own.engine.connect():
                     pass
+                # Transactional mode never uses this connection again: not kept open for it.
+                own.engine.dispose()
             self._runner = CursorRunner(dialect, dialect.loaded_dbapi, self.where)
         return self._runner
 
