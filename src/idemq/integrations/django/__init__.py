@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from idemq.integrations.django.decorators import idempotent
+from idemq.integrations.django.middleware import IdempotencyKeyMiddleware
 from idemq.integrations.django.store import DjangoStore
 
-__all__ = ["DjangoStore", "idempotent"]
+__all__ = ["DjangoStore", "IdempotencyKeyMiddleware", "idempotent"]
