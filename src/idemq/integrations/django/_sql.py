@@ -92,6 +92,20 @@ class CursorRunner:
 
         return drive(plan, execute)
 
+    def run_steps(self, raw_connection: Any, plan: Any, doing: str) -> Any:
+        """Carry out a plan of ``(statement, params)`` steps that reads each reply's
+        ``first()`` row (the outbox's add plan)."""
+
+        def execute(step: tuple[Executable, Any]) -> _Rows:
+            try:
+                reply = self.execute(raw_connection, Step(*step))
+            except self.dbapi.Error as error:
+                wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
+                raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
+            return _Rows(reply.rows)
+
+        return drive(plan, execute)
+
     def execute(self, raw_connection: Any, step: Step) -> Reply:
         """One statement: compiled, expanded, its values converted; every row read back."""
         compiled = self.compiled(step.statement)
@@ -142,6 +156,13 @@ class CursorRunner:
         if isinstance(type_, sa.JSON) and processor is None:
             return _json_text
         return processor or _same
+
+
+class _Rows(list[Any]):
+    """Rows with the one method of SQLAlchemy's ``Result`` the outbox's plan reads."""
+
+    def first(self) -> Any:
+        return self[0] if self else None
 
 
 def _same(value: Any) -> Any:

@@ -22,7 +22,13 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from idemq.drivers.sql import Plan, driver_reports_aborts, translate_db_error, translated
+from idemq.drivers.sql import (
+    Plan,
+    driver_reports_aborts,
+    transaction_aborted,
+    translate_db_error,
+    translated,
+)
 from idemq.errors import ConfigurationError, StoreError, TransactionLostError
 from idemq.integrations.django._sql import CursorRunner, wrap_driver_error
 from idemq.integrations.django._urls import database_url
@@ -282,6 +288,26 @@ class DjangoStore(SqlStoreBase):
     def release_in(self, tx: Any, key: Key, owner: str) -> None:
         """Undo a batch claim of ``owner`` inside ``tx``."""
         self._in_transaction(tx, "release", lambda plans: plans.release_in(key, owner))
+
+    def outbox_add_in(self, tx: Any, make_plan: Callable[[sa.Dialect], Any], doing: str) -> Any:
+        """Carry out :class:`~idemq.Outbox`'s add plan (built by ``make_plan`` for the
+        database's dialect) inside Django's open transaction on ``tx``, so
+        ``Outbox(DjangoStore()).add(connection, …)`` joins the current ``atomic()``."""
+        self._check_not_doomed(tx, "an outbox add")
+        driver_connection = self._driver_connection(tx)
+        if driver_connection is not None and transaction_aborted(driver_connection):
+            raise TransactionLostError(
+                f"{doing}: the transaction it joins was aborted by a failed statement (catch "
+                "errors inside their own atomic() block); nothing would commit"
+            )
+        runner = self._cursor_runner()
+        return runner.run_steps(self._raw(tx), make_plan(runner.dialect), doing)
+
+    @property
+    def engine(self) -> sa.Engine:
+        """The engine of idemq's own connection to the database (the outbox's relay, the
+        operator's commands)."""
+        return self.own_store().engine
 
     # -- lease and operator's primitives: idemq's own connection ------------------------------
 
