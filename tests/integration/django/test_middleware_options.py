@@ -12,7 +12,7 @@ import pytest
 import idemq
 from idemq.integrations.django import DjangoStore, IdempotencyKeyMiddleware
 from tests.conftest import unique
-from tests.integration.django.conftest import pay, payments
+from tests.integration.django.conftest import pay, payments, sa_url
 
 
 def _view(alias: str, status: int = 201) -> Any:
@@ -104,6 +104,24 @@ def test_async_get_response_runs_the_same_rules(alias: str, stores: list[Any]):
         ]
 
     first, again = asyncio.run(twice())
+    assert first.status_code == again.status_code == 201
+    assert again["Idempotent-Replayed"] == "true"
+    assert payments(alias, order) == 1
+
+
+def test_a_sql_store_named_in_the_settings_works_too(
+    alias: str, django_project: Any, stores: list[Any]
+):
+    if alias == "sqlite":
+        pytest.skip(
+            "a SqlStore's transaction holds the SQLite file's one write lock the view needs"
+        )
+    store = idemq.SqlStore(sa_url(django_project, alias))
+    stores.append(store)
+    middleware = IdempotencyKeyMiddleware(_view(alias), store=store, consumer=unique("h"))
+    order, key = unique("o"), unique("k")
+    first = middleware(_post({"order_id": order}, idempotency_key=f'"{key}"'))
+    again = middleware(_post({"order_id": order}, idempotency_key=f'"{key}"'))
     assert first.status_code == again.status_code == 201
     assert again["Idempotent-Replayed"] == "true"
     assert payments(alias, order) == 1

@@ -33,6 +33,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.module_loading import import_string
 
+from idemq.drivers.sql import translated
 from idemq.errors import (
     ConfigurationError,
     InvalidMessageIdError,
@@ -370,7 +371,14 @@ def _lock_wait(conn: Any, wait_ms: int | None) -> None:
     """PostgreSQL: how long the claim waits for a running first request's row lock before
     this request is answered 409 (``wait_ms``), or back to the server's setting (None) once
     the claim is made. Other databases wait as their own lock timeout says."""
-    if conn.vendor != "postgresql":
+    vendor = getattr(conn, "vendor", None)  # Django's connection (a DjangoStore's tx)
+    if vendor is None:  # an SQLAlchemy Connection: IDEMQ_HTTP named a SqlStore
+        if conn.dialect.name == "postgresql":
+            setting = "DEFAULT" if wait_ms is None else f"'{max(wait_ms, 1)}ms'"
+            with translated("SET LOCAL lock_timeout"):
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {setting}")
+        return
+    if vendor != "postgresql":
         return
     setting = "DEFAULT" if wait_ms is None else f"'{max(wait_ms, 1)}ms'"
     with conn.cursor() as cursor:
