@@ -61,6 +61,8 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
             "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 30},
         },
     }
+    # What Django's test runner gives a SQLite project: a database in memory, one per connection.
+    dbs["memory"] = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}
     made: list[tuple[str, str]] = []
     if _available("pg"):
         _server_db(PG_URL, name, True)

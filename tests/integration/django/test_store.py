@@ -176,3 +176,19 @@ def test_a_batch_keeps_the_others_when_one_fails(alias: str, store: DjangoStore)
     again = guard.process_batch(messages, lambda msg, tx: pay(alias, f"{prefix}-{msg.id}"))
     assert [o.status for o in again].count(idemq.Status.DUPLICATE) == 3
     assert [payments(alias, f"{prefix}-m-{i}") for i in range(4)] == [1, 1, 1, 1]
+
+
+def test_an_in_memory_sqlite_database_works_in_transactional_mode(
+    django_project: Any, stores: list[Any]
+):
+    """Django's test runner puts a SQLite project in memory: the store must need no
+    connection of its own there (another one would see an empty database)."""
+    store = DjangoStore(using="memory")
+    stores.append(store)
+    guard = idemq.Idempotency(store, consumer=unique("c"))
+    order = unique("o")
+    for _ in range(2):
+        guard.process("m-1", lambda tx: pay("memory", order))
+    assert payments("memory", order) == 1
+    with pytest.raises(idemq.ConfigurationError, match="SQLite database file"):
+        store.stats()

@@ -22,9 +22,13 @@ _DRIVERS = {
 }
 
 
-def database_url(settings_dict: dict[str, Any], dbapi_name: str) -> URL:
+def database_url(
+    settings_dict: dict[str, Any], dbapi_name: str, *, own_connection: bool = True
+) -> URL:
     """The URL of the database ``settings_dict`` (a connection's ``settings_dict``) names, on
-    the driver Django uses (``dbapi_name``: its DB-API module's name)."""
+    the driver Django uses (``dbapi_name``: its DB-API module's name). ``own_connection``:
+    the URL is for a connection of idemq's own, so an in-memory SQLite database (one per
+    connection: another would see none of Django's tables) is refused."""
     drivername = _DRIVERS.get(dbapi_name.split(".", maxsplit=1)[0])
     if drivername is None:
         raise ConfigurationError(
@@ -33,7 +37,10 @@ def database_url(settings_dict: dict[str, Any], dbapi_name: str) -> URL:
         )
     name = str(settings_dict.get("NAME") or "")
     if drivername.startswith("sqlite"):
-        if not name or name == ":memory:" or name.startswith("file:"):
+        in_memory = not name or name == ":memory:" or "mode=memory" in name
+        if in_memory and not own_connection:
+            return URL.create(drivername, database=":memory:")
+        if in_memory or name.startswith("file:"):
             raise ConfigurationError(
                 "idemq's own connection (lease mode, the operator's commands) needs a SQLite "
                 f"database file, not {name or 'an in-memory database'!r}"

@@ -82,7 +82,9 @@ class DjangoStore(SqlStoreBase):
             raise ConfigurationError(f"no database {using!r} in Django's DATABASES")
         self.using = using
         self._wrapper = connections[using]
-        url = database_url(self._wrapper.settings_dict, self._wrapper.Database.__name__)
+        url = database_url(
+            self._wrapper.settings_dict, self._wrapper.Database.__name__, own_connection=False
+        )
         super().__init__(
             url,
             table,
@@ -119,13 +121,17 @@ class DjangoStore(SqlStoreBase):
 
     def _cursor_runner(self) -> CursorRunner:
         if self._runner is None:
-            own = self.own_store()
-            dialect = own.engine.dialect
-            if dialect.name != "sqlite":
+            if self.url.get_backend_name() == "sqlite":
+                # No connection of idemq's own: Django's test databases on SQLite are in
+                # memory, where another connection would see none of Django's tables, and
+                # inside atomic() Django holds the file's only write lock. The dialect knows
+                # the library already; this engine never connects.
+                dialect = sa.create_engine(sa.URL.create("sqlite+pysqlite")).dialect
+            else:
+                own = self.own_store()
+                dialect = own.engine.dialect
                 # One connect teaches the dialect the server (MariaDB or MySQL, its version:
-                # what the statements may use, RETURNING above all). Not on SQLite: its dialect
-                # knows the library already, and inside the caller's atomic() block Django
-                # holds the database's only write lock, which a second connection waits on.
+                # what the statements may use, RETURNING above all).
                 with translated(f"connect to {self.where}"), own.engine.connect():
                     pass
                 # Transactional mode never uses this connection again: not kept open for it.
