@@ -112,3 +112,23 @@ def test_celery_worker_on_rabbitmq_runs_each_task_once(django_project: Any, tmp_
     assert a == b == f"shipped {order}-s"
     assert payments("sqlite", order) == 1
     assert payments("sqlite", f"{order}-s") == 1
+
+
+def test_a_key_another_caller_holds_raises_a_conflict_outside_celery(alias: str):
+    """Lease mode: while one call holds the key, another gets StoreConflictError (outside a
+    Celery task there is no retry to schedule), never a result it did not produce."""
+    seen: list[Exception] = []
+
+    @idempotent(
+        consumer=unique("job"), key="order_id", using=alias, mode="lease", check_payload=False
+    )
+    def job(order_id: str, nested: bool = False) -> str:
+        if not nested:
+            try:
+                job(order_id, nested=True)
+            except idemq.StoreConflictError as exc:
+                seen.append(exc)
+        return "done"
+
+    assert job(unique("o")) == "done"
+    assert len(seen) == 1
