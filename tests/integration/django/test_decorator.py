@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,60 @@ def test_a_key_another_caller_holds_raises_a_conflict_outside_celery(alias: str)
 
     assert job(unique("o")) == "done"
     assert len(seen) == 1
+
+
+def test_celery_twin_in_progress_is_retried_until_the_holder_is_done(
+    django_project: Any, tmp_path: Path
+):
+    """Two tasks for one order run at once (a threads pool): the second finds the first's
+    lease, is retried, and gets the first one's result; one payment."""
+    require_service("rabbitmq")
+    from tests.integration.django.shop import tasks  # noqa: PLC0415
+
+    queue = unique("djq")
+    tasks.app.conf.task_default_queue = queue
+    env = subprocess_env(django_project, "sqlite", IDEMQ_DJ_QUEUE=queue)
+    log_path = tmp_path / "worker.log"
+    with log_path.open("w") as log:
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.integration.django.djproject.celery_app",
+                "worker",
+                "--pool=threads",
+                "--concurrency=2",
+                "--loglevel=INFO",
+                "-Q",
+                queue,
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    order = unique("o")
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    try:
+        first = tasks.hold.delay(order, str(started), str(gate))
+        _wait_for(started.exists, log_path)
+        second = tasks.hold.delay(order, str(started), str(gate))
+        _wait_for(lambda: "retry" in log_path.read_text(errors="replace").lower(), log_path)
+        gate.touch()
+        assert first.get(timeout=RESULT_TIMEOUT_S) == {"held": order}
+        assert second.get(timeout=RESULT_TIMEOUT_S) == {"held": order}
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+        with tasks.app.connection_for_write() as conn:
+            conn.default_channel.queue_delete(queue)
+    assert payments("sqlite", order) == 1
+
+
+def _wait_for(condition: Any, log_path: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, log_path.read_text(errors="replace")
+        time.sleep(0.02)

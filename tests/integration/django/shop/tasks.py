@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 from celery import Celery
 
@@ -32,3 +34,17 @@ def ship(order_id: str) -> str:
     """Keyed by the task id: a redelivery (same id) is a duplicate, a new task is not."""
     Payment.objects.create(order_id=order_id, amount=0)
     return f"shipped {order_id}"
+
+
+@app.task(acks_late=True, name="shop.hold")
+@idempotent(consumer="shop.hold", key="order_id", mode="lease", in_progress_countdown_s=0.2)
+def hold(order_id: str, started: str, gate: str) -> dict[str, str]:
+    """Holds its lease until the test opens ``gate``: a twin meanwhile finds it in progress."""
+    Path(started).touch()
+    deadline = time.monotonic() + 60
+    while not Path(gate).exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the gate never opened")
+        time.sleep(0.01)
+    Payment.objects.create(order_id=order_id, amount=1)
+    return {"held": order_id}
