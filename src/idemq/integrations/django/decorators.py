@@ -59,7 +59,8 @@ def idempotent(
     module). ``check_payload``: a key reused with other arguments raises
     :class:`~idemq.PayloadMismatchError` instead of replaying; ``guard_options`` go to
     :class:`~idemq.Idempotency` (``mode="lease"``, ``lease_s``, ``wait_s`` …). The store and
-    guard are made at the first call, once Django's settings are loaded.
+    guard are made at the first call, once Django's settings are loaded; the decorated
+    function's ``guard()`` returns that :class:`~idemq.Idempotency` (``pay.guard().forget(key)``).
     """
     if not consumer or not isinstance(consumer, str):
         raise ConfigurationError(f"consumer must be a non-empty string, got {consumer!r}")
@@ -95,6 +96,9 @@ def idempotent(
                 _in_progress(fn, cast(str, message_id), in_progress_countdown_s)
             return outcome.result
 
+        # The guard behind the function (made on first use): to forget a key, read its store's
+        # stats, or close its store's own connections.
+        wrapper.guard = guard_for  # type: ignore[attr-defined]
         return cast(F, wrapper)
 
     return decorate
