@@ -26,7 +26,6 @@ from sqlalchemy.sql.compiler import Compiled
 
 from idemq._plan import drive
 from idemq.drivers.sql import Plan, Reply, Step, translate_db_error
-from idemq.errors import StoreError
 
 __all__ = ["CursorRunner", "driver_error", "wrap_driver_error"]
 
@@ -194,8 +193,3 @@ def _datetime_from_sqlite(type_: Any, processor: Any) -> Any:
         return value
 
     return convert
-
-
-def store_error(message: str) -> StoreError:
-    """A plain store error (no driver error under it)."""
-    return StoreError(message)
