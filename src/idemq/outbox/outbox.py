@@ -189,7 +189,7 @@ class Outbox(OutboxBase):
 
     def add(
         self,
-        conn_or_session: Connection | Session,
+        conn_or_session: Any,
         destination: str,
         body: bytes,
         *,
@@ -197,7 +197,9 @@ class Outbox(OutboxBase):
         ordering_key: str | None = None,
         message_id: str | None = None,
     ) -> str:
-        """Write one outgoing message in the transaction of ``conn_or_session``; its id.
+        """Write one outgoing message in the transaction of ``conn_or_session`` (an SQLAlchemy
+        ``Connection`` or ``Session``; with a :class:`~idemq.integrations.django.DjangoStore`,
+        Django's connection); its id.
 
         The row commits or rolls back with that transaction: nothing is published for a change
         that rolled back, nothing is lost for one that committed. Inside a guarded handler the
@@ -207,6 +209,24 @@ class Outbox(OutboxBase):
         already in the outbox (waiting, kept or dead) is then not added twice — one more round
         trip, to look.
         """
+        join = getattr(self.store, "outbox_add_in", None)
+        if join is not None and not isinstance(conn_or_session, Connection | Session):
+            # A store on a framework's own connection (DjangoStore): the row joins the
+            # transaction that framework has open on it.
+            added: str = join(
+                conn_or_session,
+                lambda dialect: add_plan(
+                    self.statements(dialect),
+                    destination,
+                    body,
+                    headers,
+                    ordering_key,
+                    self.clock(),
+                    message_id,
+                ),
+                f"outbox add to {self.table}",
+            )
+            return added
         conn = _sync_connection(conn_or_session)
         if driver_reports_aborts(conn.dialect):
             self._check_not_aborted(conn.connection.driver_connection)
