@@ -56,15 +56,14 @@ def redis_port(certs: Certificates) -> Iterator[int]:
         yield port
 
 
-def pg_url(port: int, ca: Path) -> str:
+def pg_url(port: int, ca: Path, host: str = "127.0.0.1") -> str:
     return (
-        f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
-        f"?sslmode=verify-full&sslrootcert={ca}"
+        f"postgresql+psycopg://postgres@{host}:{port}/postgres?sslmode=verify-full&sslrootcert={ca}"
     )
 
 
-def rediss_url(port: int, ca: Path | None) -> str:
-    base = f"rediss://127.0.0.1:{port}/0"
+def rediss_url(port: int, ca: Path | None, host: str = "127.0.0.1") -> str:
+    base = f"rediss://{host}:{port}/0"
     return base if ca is None else f"{base}?ssl_ca_certs={ca}"
 
 
@@ -114,13 +113,34 @@ def test_postgres_verify_full_with_the_right_ca_processes_a_message_once(
     engine.dispose()
 
 
-def test_postgres_with_a_wrong_ca_is_a_configuration_error(pg_port: int, wrong_ca: Path) -> None:
-    store = idemq.SqlStore(pg_url(pg_port, wrong_ca), table=unique("tls_dedup"))
+@pytest.mark.parametrize(
+    ("refusal", "says"),
+    [
+        ("wrong CA", "certificate verify failed"),
+        ("missing CA file", "root certificate file"),
+        ("another host", "does not match host name"),
+    ],
+)
+def test_postgres_refusing_the_certificate_is_a_configuration_error(
+    pg_port: int, certs: Certificates, wrong_ca: Path, tmp_path: Path, refusal: str, says: str
+) -> None:
+    url = {
+        "wrong CA": pg_url(pg_port, wrong_ca),
+        "missing CA file": pg_url(pg_port, tmp_path / "no-such-ca.pem"),
+        # The server listens there too, with a certificate for 127.0.0.1 and localhost only.
+        "another host": pg_url(pg_port, certs.ca, host="127.0.0.2"),
+    }[refusal]
+    table = unique("tls_dedup")
+    store = idemq.SqlStore(url, table=table)
     with pytest.raises(StoreConfigurationError) as raised:
         store.create_schema()
     assert isinstance(raised.value, ConfigurationError)
-    assert "certificate verify failed" in str(raised.value)
+    assert says in str(raised.value)
     store.close()
+    engine = sa.create_engine(pg_url(pg_port, certs.ca))
+    with engine.connect() as conn:
+        assert not sa.inspect(conn).has_table(table)  # nothing was created
+    engine.dispose()
 
 
 def test_postgres_with_a_wrong_ca_stops_the_cli_with_exit_2(pg_port: int, wrong_ca: Path) -> None:
@@ -166,13 +186,17 @@ def test_rediss_with_the_right_ca_processes_a_message_once(
         assert client.keys(f"{prefix}*")
 
 
-@pytest.mark.parametrize("ca", ["wrong", "none"])
-def test_rediss_with_a_wrong_or_no_ca_is_a_configuration_error(
-    redis_port: int, wrong_ca: Path, ca: str
+@pytest.mark.parametrize("refusal", ["wrong CA", "no CA", "another host"])
+def test_rediss_refusing_the_certificate_is_a_configuration_error(
+    redis_port: int, certs: Certificates, wrong_ca: Path, refusal: str
 ) -> None:
-    # "none": redis-py verifies the certificate by default (ssl_cert_reqs=required) against the
-    # system's CAs, which did not sign this one: refused just the same.
-    url = rediss_url(redis_port, wrong_ca if ca == "wrong" else None)
+    url = {
+        "wrong CA": rediss_url(redis_port, wrong_ca),
+        # redis-py verifies the certificate by default (ssl_cert_reqs=required) against the
+        # system's CAs, which did not sign this one: refused just the same.
+        "no CA": rediss_url(redis_port, None),
+        "another host": rediss_url(redis_port, certs.ca, host="127.0.0.2"),
+    }[refusal]
     store = idemq.RedisStore(url, prefix=unique("tls"))
     guard = idemq.Idempotency(store, consumer="tls", mode="lease", lease_s=30)
     effects: list[str] = []
@@ -198,3 +222,17 @@ def test_rediss_with_the_right_ca_through_the_cli(redis_port: int, certs: Certif
         env={"IDEMQ_STORE_URL": rediss_url(redis_port, certs.ca)},
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_rediss_with_a_missing_ca_file_is_a_configuration_error(
+    redis_port: int, tmp_path: Path
+) -> None:
+    # redis-py reports it as a connection error ("No such file or directory") on the first
+    # command, which a worker would retry forever.
+    missing = tmp_path / "no-such-ca.pem"
+    with pytest.raises(ConfigurationError) as raised:
+        idemq.RedisStore(rediss_url(redis_port, missing), prefix=unique("tls"))
+    assert str(missing) in str(raised.value)
+    done = idemq_cli("stats", env={"IDEMQ_STORE_URL": rediss_url(redis_port, missing)})
+    assert done.returncode == 2, done.stderr
+    assert "ssl_ca_certs" in one_line(done)

@@ -1,5 +1,6 @@
 """Throwaway TLS servers for the tests: a CA made with ``openssl``, and a PostgreSQL cluster and a
 redis-server started on free ports with a certificate that CA signed (SAN 127.0.0.1, localhost).
+Both also listen on 127.0.0.2, an address the certificate does not name.
 
 Each server is stopped by its own PID at the end, whatever the test did. A machine without the
 binaries skips (locally) or fails (under CI=true), like a missing service.
@@ -133,7 +134,7 @@ def postgres_tls(certs: Certificates) -> Iterator[int]:
         options = " ".join(
             [
                 f"-p {port}",
-                "-c listen_addresses=127.0.0.1",
+                "-c listen_addresses=127.0.0.1,127.0.0.2",
                 f"-c unix_socket_directories={root}",
                 "-c ssl=on",
                 f"-c ssl_cert_file={tls / certs.cert.name}",
@@ -168,7 +169,7 @@ def redis_tls(certs: Certificates) -> Iterator[int]:
     log = directory / f"redis-{port}.log"
     command = [
         str(server),
-        *("--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1"),
+        *("--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "127.0.0.2"),
         *("--tls-cert-file", str(certs.cert), "--tls-key-file", str(certs.key)),
         *("--tls-ca-cert-file", str(certs.ca), "--tls-auth-clients", "no"),
         *("--save", "", "--appendonly", "no", "--dir", str(directory), "--logfile", str(log)),

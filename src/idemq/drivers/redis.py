@@ -28,6 +28,7 @@ server as ``host:port/db``, never the URL, so a password in it cannot leak into 
 from __future__ import annotations
 
 import codecs
+import os
 import ssl
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -384,6 +385,7 @@ def redis_client(
             f"not a Redis URL (redis://, rediss:// or unix://): {mask_url(client_or_url)}"
         )
     url, cluster = _cluster_url(client_or_url)
+    _check_tls_files(url)
     if cluster and scheme.lower() == "unix":
         raise ConfigurationError(f"a Cluster is reached over TCP: {mask_url(url)}")
     try:
@@ -403,6 +405,20 @@ def redis_client(
 
 
 _ASYNC_CLUSTER = redis.asyncio.cluster.RedisCluster
+
+# redis-py's URL options naming files of the TLS setup.
+_TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+
+
+def _check_tls_files(url: str) -> None:
+    """:class:`~idemq.ConfigurationError` when a TLS option of ``url`` names no file.
+
+    redis-py opens them at the first connection and reports a missing one as a connection error
+    ("No such file or directory"): an outage to a worker, which would retry it forever.
+    """
+    for name, value in parse_qsl(urlsplit(url).query):
+        if name in _TLS_FILE_OPTIONS and not os.path.exists(value):
+            raise ConfigurationError(f"{name} names no file: {value} (in {mask_url(url)})")
 
 
 def require_utf8(client: AnyRedis | AnyAsyncRedis, user: str) -> None:
