@@ -184,3 +184,19 @@ def test_a_worker_with_its_urls_in_the_environment_keeps_them_out_of_ps(tmp_path
     assert ids == ["A", "B"]
     assert PASSWORD not in log.read_text()
     engine.dispose()
+
+
+def test_passwords_in_two_options_make_one_warning_line_naming_both_variables() -> None:
+    require_service("rabbitmq")
+    outbox = unique("sec_outbox")  # no such table: the relay stops at once, exit 2
+    done = idemq_cli(
+        "relay", "--store", pg_url_with_password(), "--outbox-table", outbox,
+        "--broker", "amqp://guest:guest@127.0.0.1:5672/",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if " WARNING " in line]
+    assert len(warnings) == 1, done.stderr
+    assert "IDEMQ_STORE_URL" in warnings[0]
+    assert "IDEMQ_BROKER_URL" in warnings[0]
+    assert PASSWORD not in done.stderr
+    assert "guest:guest" not in done.stderr
