@@ -200,3 +200,27 @@ def test_passwords_in_two_options_make_one_warning_line_naming_both_variables() 
     assert "IDEMQ_BROKER_URL" in warnings[0]
     assert PASSWORD not in done.stderr
     assert "guest:guest" not in done.stderr
+
+
+def test_main_called_from_python_with_a_password_warns_only_if_it_is_in_the_process_argv(
+    pg_table: str,
+) -> None:
+    # A program that calls idemq.cli.main([...]) with a URL it built (a manage.py command from
+    # its settings) does not put the password in `ps`: no warning for what no one can see.
+    script = (
+        "import os, sys\n"
+        "from idemq.cli import main\n"
+        "url = os.environ.pop('SECRET_TEST_URL')\n"
+        f"sys.exit(main(['stats', '--store', url, '--table', {pg_table!r}, '--json']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "SECRET_TEST_URL": pg_url_with_password()},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["total"] == 0
+    assert done.stderr == ""

@@ -195,7 +195,9 @@ def _add_outbox_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     _add_log_format(relay)
     outbox = add("outbox", lambda _: EXIT_USAGE, "outbox operations")
     outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True, metavar="retry")
-    retry = outbox_sub.add_parser("retry", help="move a dead outbox row back to be published")
+    retry = outbox_sub.add_parser(
+        "retry", help="move a dead outbox row back to be published", epilog=ENV_RULE
+    )
     retry.set_defaults(func=cmd_outbox_retry)
     retry.add_argument("id")
     add_url_option(retry, "--store", "SQLAlchemy URL of the outbox's database")
@@ -365,7 +367,7 @@ def _add_schema_upgrade(schema: argparse.ArgumentParser) -> None:
     """``schema upgrade``: ``idemq schema`` alone still prints (or creates) the tables."""
     schema_sub = schema.add_subparsers(dest="schema_command", metavar="upgrade")
     help_ = "bring tables of an older idemq to the current version in place (online DDL)"
-    upgrade = schema_sub.add_parser("upgrade", help=help_, description=help_)
+    upgrade = schema_sub.add_parser("upgrade", help=help_, description=help_, epilog=ENV_RULE)
     upgrade.set_defaults(func=cmd_schema_upgrade)
     add_url_option(upgrade, "--store", "SQLAlchemy URL of the tables' database")
     upgrade.add_argument("--table", default="message_idempotent", help="the dedup table")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -99,13 +100,23 @@ def add_url_option(
     )
 
 
-def argv_secrets_warning(args: argparse.Namespace) -> str | None:
-    """One line naming the variables to use, when URLs given in argv hold a secret; else None.
+def argv_secrets_warning(
+    args: argparse.Namespace, process_argv: Sequence[str] | None = None
+) -> str | None:
+    """One line naming the variables to use, when URLs given as options hold a secret that is in
+    ``process_argv`` (default ``sys.argv``, what ``ps`` shows); else None.
 
-    The line names the options and variables only, never a URL, masked or not.
+    A program calling :func:`idemq.cli.main` with a list it built (a ``manage.py`` command from
+    its settings) has no such URL in its own command line: nothing to warn about. The line
+    names the options and variables only, never a URL, masked or not.
     """
+    visible = sys.argv if process_argv is None else process_argv
     given: list[tuple[str, str, str]] = getattr(args, _FROM_ARGV, [])
-    leaking = [(option, variable) for option, variable, url in given if holds_secret(url)]
+    leaking = [
+        (option, variable)
+        for option, variable, url in given
+        if holds_secret(url) and any(url in arg for arg in visible)
+    ]
     if not leaking:
         return None
     options = ", ".join(option for option, _ in leaking)
