@@ -21,6 +21,7 @@ import redis
 import sqlalchemy as sa
 
 import idemq
+from idemq.brokers.embedded import EmbeddedBroker
 from idemq.errors import ConfigurationError, StoreConfigurationError
 from tests.conftest import unique
 from tests.integration.tls_servers import (
@@ -236,3 +237,36 @@ def test_rediss_with_a_missing_ca_file_is_a_configuration_error(
     done = idemq_cli("stats", env={"IDEMQ_STORE_URL": rediss_url(redis_port, missing)})
     assert done.returncode == 2, done.stderr
     assert "ssl_ca_certs" in one_line(done)
+
+
+@pytest.mark.parametrize("server", ["postgres", "redis"])
+def test_a_worker_whose_store_refuses_the_certificate_stops_with_exit_2(
+    request: pytest.FixtureRequest, wrong_ca: Path, tmp_path: Path, server: str
+) -> None:
+    # Not an outage: retrying the same CA cannot succeed, so the worker does not wait for one.
+    if server == "postgres":
+        url = pg_url(request.getfixturevalue("pg_port"), wrong_ca)
+    else:
+        url = rediss_url(request.getfixturevalue("redis_port"), wrong_ca)
+    (tmp_path / "fine.py").write_text("def handle(msg, tx):\n    return 1\n")
+    broker = EmbeddedBroker(tmp_path / "q.db")
+    broker.publish("orders", b"{}", message_id="ORDER_TLS_4")
+    broker.close()
+    done = subprocess.run(
+        [IDEMQ, "worker", "fine:handle", "--queue", "orders"],
+        env={
+            **os.environ,
+            "IDEMQ_STORE_URL": url,
+            "IDEMQ_BROKER_URL": f"embedded:///{tmp_path / 'q.db'}",
+        },
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "certificate" in one_line(done)
+    broker = EmbeddedBroker(tmp_path / "q.db")
+    assert broker.depth("orders") == 1  # the message waits for a worker that can store it
+    broker.close()
