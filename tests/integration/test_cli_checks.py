@@ -91,7 +91,7 @@ def test_a_handler_of_the_wrong_shape_is_refused_before_any_message(tmp_path, so
 
 def test_a_missing_broker_client_names_the_extra_with_its_brackets(tmp_path):
     done = idemq_cli(
-        "publish", "--broker", "amqp://guest:guest@127.0.0.1:5672/", "--queue", "q", "x",
+        "publish", "--broker", "amqp://127.0.0.1:5672/", "--queue", "q", "x",
         cwd=tmp_path, blocked=("aio_pika",),
     )  # fmt: skip
     stderr = assert_one_line(done, 2)

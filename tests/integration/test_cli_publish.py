@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,8 +99,9 @@ def test_publish_to_a_rabbitmq_queue_nobody_declared_exits_4_and_says_so(tmp_pat
     require_service("rabbitmq")
     url = "amqp://guest:guest@127.0.0.1:5672/"
     queue = unique("undeclared")
-    command = [IDEMQ, "publish", "--broker", url, "--queue", queue, "--id", "PAY_1", "{}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    command = [IDEMQ, "publish", "--queue", queue, "--id", "PAY_1", "{}"]
+    env = {**os.environ, "IDEMQ_BROKER_URL": url}  # a password: not on the command line
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, env=env)
     assert done.returncode == 4, done.stdout + done.stderr
     assert done.stdout == ""  # no id printed for a message that went nowhere
     assert done.stderr.splitlines() == [
@@ -110,7 +112,9 @@ def test_publish_to_a_rabbitmq_queue_nobody_declared_exits_4_and_says_so(tmp_pat
     broker = RabbitMQBroker(url)
     try:
         broker.declare(queue)
-        again = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        again = subprocess.run(
+            command, capture_output=True, text=True, timeout=60, check=False, env=env
+        )
         assert again.returncode == 0, again.stderr
         assert again.stdout.strip() == "PAY_1"
         stream = broker.consume(queue)

@@ -36,6 +36,7 @@ from idemq.cli.commands import (
 from idemq.cli.logs import LOG_FORMATS, configure_logging
 from idemq.cli.outbox_commands import cmd_outbox_retry, cmd_relay
 from idemq.cli.schema_commands import cmd_schema_upgrade
+from idemq.cli.url_options import ENV_RULE, add_url_option, argv_secrets_warning
 from idemq.errors import (
     BrokerError,
     BrokerUnavailableError,
@@ -88,7 +89,7 @@ def _add_store_naming(command: argparse.ArgumentParser) -> None:
 def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     """``stats``, ``release`` and ``forget``: what on-call engineers run."""
     stats = add("stats", cmd_stats, "records by status, oldest, stuck leases, size of a store")
-    stats.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    add_url_option(stats, "--store", "SQLAlchemy URL or redis://")
     stats.add_argument("--json", action="store_true")
     stats.add_argument(
         "--outbox-table", default="idemq_outbox", help="outbox shown when the table exists"
@@ -96,14 +97,14 @@ def _add_operator_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     _add_store_naming(stats)
     release = add("release", cmd_release, "free a stuck lease so the message can be retried")
     release.add_argument("id")
-    release.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    add_url_option(release, "--store", "SQLAlchemy URL or redis://")
     release.add_argument("--consumer", help="whose record (needed if several hold the id)")
     release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     release.add_argument("--json", action="store_true")
     _add_store_naming(release)
     forget = add("forget", cmd_forget, "forget a message: its next delivery runs again")
     forget.add_argument("id")
-    forget.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    add_url_option(forget, "--store", "SQLAlchemy URL or redis://")
     forget.add_argument("--consumer", default="default", help="whose record (default: default)")
     forget.add_argument(
         "--force", action="store_true", help="also a live lease (its worker may be mid-effect)"
@@ -127,10 +128,8 @@ def _add_batch_flags(worker: argparse.ArgumentParser) -> None:
 
 
 def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
-    chaos.add_argument(
-        "--broker", required=True, help="amqp://, kafka://, nats://, redis://, embedded://"
-    )
-    chaos.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    add_url_option(chaos, "--broker", "amqp://, kafka://, nats://, redis://, embedded://")
+    add_url_option(chaos, "--store", "SQLAlchemy URL or redis://")
     chaos.add_argument("--messages", type=int, default=500, help="distinct messages (default 500)")
     chaos.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     chaos.add_argument(
@@ -151,7 +150,7 @@ def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
     chaos.add_argument("--no-guard", action="store_true", help="same scenario without idemq")
     chaos.add_argument("--json", action="store_true", help="one JSON object on the last line")
     chaos.add_argument("--report", help="write a self-contained HTML report here")
-    chaos.add_argument("--ledger", help="order tables' database for a redis:// store")
+    add_url_option(chaos, "--ledger", "order tables' database for a redis:// store", required=False)
     chaos.add_argument("--dir", help="where event files go (default: a temp dir)")
     chaos.add_argument("--timeout", type=float, default=300.0, help="stop after S seconds")
     chaos.add_argument("--seed", type=int, default=7)
@@ -182,8 +181,8 @@ def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
 def _add_outbox_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     """``relay`` and ``outbox retry``."""
     relay = add("relay", cmd_relay, "publish the outbox's committed rows, with confirms")
-    relay.add_argument("--store", required=True, help="SQLAlchemy URL of the outbox's database")
-    relay.add_argument("--broker", required=True, help="amqp://, kafka://, nats://, redis://, …")
+    add_url_option(relay, "--store", "SQLAlchemy URL of the outbox's database")
+    add_url_option(relay, "--broker", "amqp://, kafka://, nats://, redis://, …")
     relay.add_argument("--outbox-table", default="idemq_outbox")
     relay.add_argument("--batch-size", type=int, default=100, help="rows per transaction")
     relay.add_argument(
@@ -196,16 +195,20 @@ def _add_outbox_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     _add_log_format(relay)
     outbox = add("outbox", lambda _: EXIT_USAGE, "outbox operations")
     outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True, metavar="retry")
-    retry = outbox_sub.add_parser("retry", help="move a dead outbox row back to be published")
+    retry = outbox_sub.add_parser(
+        "retry", help="move a dead outbox row back to be published", epilog=ENV_RULE
+    )
     retry.set_defaults(func=cmd_outbox_retry)
     retry.add_argument("id")
-    retry.add_argument("--store", required=True, help="SQLAlchemy URL of the outbox's database")
+    add_url_option(retry, "--store", "SQLAlchemy URL of the outbox's database")
     retry.add_argument("--outbox-table", default="idemq_outbox")
 
 
 def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list of commands)
     parser = argparse.ArgumentParser(
-        prog="idemq", description="Exactly-once effects for at-least-once message consumers."
+        prog="idemq",
+        description="Exactly-once effects for at-least-once message consumers.",
+        epilog=ENV_RULE,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -213,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
     def add(
         name: str, func: Callable[[argparse.Namespace], int], help_: str
     ) -> argparse.ArgumentParser:
-        command = sub.add_parser(name, help=help_, description=help_)
+        command = sub.add_parser(name, help=help_, description=help_, epilog=ENV_RULE)
         command.set_defaults(func=func)
         return command
 
@@ -235,13 +238,13 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
 
     worker = add("worker", cmd_worker, "run MODULE:HANDLER behind the guard on a broker")
     worker.add_argument("handler", metavar="MODULE:HANDLER")
-    worker.add_argument(
+    add_url_option(
+        worker,
         "--broker",
-        required=True,
-        help="amqp://, kafka://, nats://, redis://, mqtt:// or embedded:///path/queue.db",
+        "amqp://, kafka://, nats://, redis://, mqtt:// or embedded:///path/queue.db",
     )
     worker.add_argument("--queue", required=True, help="queue / topic / stream / subject")
-    worker.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    add_url_option(worker, "--store", "SQLAlchemy URL or redis://")
     worker.add_argument("--consumer", help="dedup scope (default: the queue name)")
     worker.add_argument("--concurrency", type=int, default=1)
     worker.add_argument("--prefetch", type=int)
@@ -301,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
 
     inspect = add("inspect", cmd_inspect, "show what the store knows of a message id")
     inspect.add_argument("id")
-    inspect.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    add_url_option(inspect, "--store", "SQLAlchemy URL or redis://")
     inspect.add_argument("--consumer", help="only this consumer's record")
     inspect.add_argument("--json", action="store_true")
     _add_store_naming(inspect)
@@ -310,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
 
     purge = add("purge", cmd_purge, "delete processed records older than a duration")
     purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d, 12h")
-    purge.add_argument("--store", required=True, help="SQLAlchemy URL or redis://")
+    add_url_option(purge, "--store", "SQLAlchemy URL or redis://")
     purge.add_argument(
         "--batch-size",
         type=int,
@@ -322,10 +325,10 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
 
     publish = add("publish", cmd_publish, "publish one message with a stamped id; print the id")
     publish.add_argument("body", metavar="BODY", help="the message body, or - to read stdin")
-    publish.add_argument(
+    add_url_option(
+        publish,
         "--broker",
-        required=True,
-        help="amqp://, kafka://, nats://, redis://, mqtt:// or embedded:///path/queue.db",
+        "amqp://, kafka://, nats://, redis://, mqtt:// or embedded:///path/queue.db",
     )
     publish.add_argument("--queue", required=True)
     publish.add_argument("--id", help="message id (default: a fresh PREFIX_… id)")
@@ -348,7 +351,12 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         help="the DDL to print (default postgresql); with --store, the store's own dialect",
     )
     schema.add_argument("--table", default="message_idempotent")
-    schema.add_argument("--store", help="create the table in this database instead of printing")
+    add_url_option(
+        schema,
+        "--store",
+        "create the table in this database instead of printing",
+        env_default=False,
+    )
     schema.add_argument("--outbox-table", default="idemq_outbox", help="outbox tables' name")
     schema.add_argument("--no-outbox", action="store_true", help="only the dedup table")
     _add_schema_upgrade(schema)
@@ -359,9 +367,9 @@ def _add_schema_upgrade(schema: argparse.ArgumentParser) -> None:
     """``schema upgrade``: ``idemq schema`` alone still prints (or creates) the tables."""
     schema_sub = schema.add_subparsers(dest="schema_command", metavar="upgrade")
     help_ = "bring tables of an older idemq to the current version in place (online DDL)"
-    upgrade = schema_sub.add_parser("upgrade", help=help_, description=help_)
+    upgrade = schema_sub.add_parser("upgrade", help=help_, description=help_, epilog=ENV_RULE)
     upgrade.set_defaults(func=cmd_schema_upgrade)
-    upgrade.add_argument("--store", required=True, help="SQLAlchemy URL of the tables' database")
+    add_url_option(upgrade, "--store", "SQLAlchemy URL of the tables' database")
     upgrade.add_argument("--table", default="message_idempotent", help="the dedup table")
     upgrade.add_argument("--outbox-table", default="idemq_outbox", help="outbox tables' name")
     upgrade.add_argument("--no-outbox", action="store_true", help="only the dedup table")
@@ -375,6 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_format = getattr(args, "log_format", "text")
     configure_logging(verbose=args.verbose, log_format=log_format)
+    warning = argv_secrets_warning(args)
+    if warning is not None:
+        logging.getLogger("idemq.cli").warning("%s", warning)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -28,6 +28,8 @@ server as ``host:port/db``, never the URL, so a password in it cannot leak into 
 from __future__ import annotations
 
 import codecs
+import os
+import ssl
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar, overload
@@ -41,7 +43,12 @@ from redis import exceptions as rx
 from redis.crc import key_slot as _crc_key_slot
 
 from idemq.drivers.urls import mask_url
-from idemq.errors import ConfigurationError, StoreError, StoreUnavailableError
+from idemq.errors import (
+    ConfigurationError,
+    StoreConfigurationError,
+    StoreError,
+    StoreUnavailableError,
+)
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT_S",
@@ -251,6 +258,13 @@ def translate_error(
 ) -> StoreError:
     """The idemq error for a redis-py failure of ``action`` on ``server``; raise it ``from exc``."""
     reason = f"{type(exc).__name__}: {exc}"
+    if _certificate_refused(exc):
+        # Checked before ConnectionError, which redis-py wraps it in: the same CA refuses the
+        # same certificate on every retry, so this is the setup to fix, not an outage to wait out.
+        return StoreConfigurationError(
+            f"redis {server} refused during {action}: its TLS certificate is not trusted"
+            f" (check ssl_ca_certs in the rediss:// URL) ({reason})"
+        )
     if isinstance(exc, rx.ConnectionError | rx.TimeoutError):  # BusyLoadingError included
         return StoreUnavailableError(f"redis {server} unavailable during {action} ({reason})")
     if isinstance(exc, rx.AskError):
@@ -273,6 +287,19 @@ def translate_error(
         # idemq's commands are fixed; a server that cannot parse them is too old (SET … NX GET).
         return StoreError(f"redis {server} rejected {action} ({reason}): idemq needs Redis >= 7.0")
     return StoreError(f"redis {server} failed {action} ({reason})")
+
+
+def _certificate_refused(exc: BaseException) -> bool:
+    """Whether the TLS handshake failed because the client did not trust the server's
+    certificate (an unknown CA, another host name), anywhere in ``exc``'s chain of causes."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ssl.SSLCertVerificationError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def describe_client(client: AnyRedis | AnyAsyncRedis) -> str:
@@ -358,6 +385,7 @@ def redis_client(
             f"not a Redis URL (redis://, rediss:// or unix://): {mask_url(client_or_url)}"
         )
     url, cluster = _cluster_url(client_or_url)
+    _check_tls_files(url)
     if cluster and scheme.lower() == "unix":
         raise ConfigurationError(f"a Cluster is reached over TCP: {mask_url(url)}")
     try:
@@ -377,6 +405,20 @@ def redis_client(
 
 
 _ASYNC_CLUSTER = redis.asyncio.cluster.RedisCluster
+
+# redis-py's URL options naming files of the TLS setup.
+_TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+
+
+def _check_tls_files(url: str) -> None:
+    """:class:`~idemq.ConfigurationError` when a TLS option of ``url`` names no file.
+
+    redis-py opens them at the first connection and reports a missing one as a connection error
+    ("No such file or directory"): an outage to a worker, which would retry it forever.
+    """
+    for name, value in parse_qsl(urlsplit(url).query):
+        if name in _TLS_FILE_OPTIONS and not os.path.exists(value):
+            raise ConfigurationError(f"{name} names no file: {value} (in {mask_url(url)})")
 
 
 def require_utf8(client: AnyRedis | AnyAsyncRedis, user: str) -> None:

@@ -155,6 +155,16 @@ _PG_REFUSING_TEXTS = (
     "no password supplied",
     "permission denied for database",
 )
+# A TLS connection refused on the client's side: the server's certificate is not signed by the
+# CA given (sslrootcert, ssl_ca), names another host, or the CA file is missing; libpq also
+# refuses a server without TLS when sslmode asks for it. The same settings fail the same way on
+# every retry, so a worker retrying them as an outage would never get anywhere.
+_TLS_REFUSING_TEXTS = (
+    "certificate verify failed",  # libpq (Python's ssl module says the same)
+    "does not match host name",  # libpq, sslmode=verify-full
+    "root certificate file",  # libpq: sslrootcert missing or unreadable
+    "server does not support SSL, but SSL was required",
+)
 _PG_MISSING_TEXT = re.compile(r'FATAL: +(role|database) "[^"]*" does not exist')
 _SQLITE_MISSING_TABLE = "no such table"
 # SQLAlchemy's own errors (no driver error under them) that mean "no usable connection".
@@ -174,7 +184,8 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
       run the message again: nothing was committed);
     * lost connection, timeouts, other operational failures, the pool's timeout, a closed or
       invalidated connection, a socket error → :class:`StoreUnavailableError`;
-    * a refused login, an unknown database, a missing table → :class:`StoreConfigurationError`
+    * a refused login, an unknown database, a missing table, a server certificate the given CA
+      did not sign → :class:`StoreConfigurationError`
       (the same settings fail the same way: the CLI exits 2, not 4);
     * anything else (constraint violation, a statement SQLAlchemy could not
       compile or bind) → :class:`StoreError`.
@@ -206,10 +217,13 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
 
 
 def _refuses_setup(text: str, sqlstate: object, errno: object) -> bool:
-    """Whether the server refused the login, the database or the table (see the constants)."""
+    """Whether the server refused the login, the database or the table, or the client refused
+    the server's certificate (see the constants)."""
     if sqlstate in _PG_REFUSING_SQLSTATES or errno in _MYSQL_REFUSING_ERRNOS:
         return True
     if text.startswith(_SQLITE_MISSING_TABLE):
+        return True
+    if any(part in text for part in _TLS_REFUSING_TEXTS):
         return True
     return any(part in text for part in _PG_REFUSING_TEXTS) or bool(_PG_MISSING_TEXT.search(text))
 

@@ -16,7 +16,12 @@ from idemq.brokers import open_broker
 from idemq.brokers.base import Broker, mask_url
 from idemq.brokers.settlement import RetryPolicy
 from idemq.drivers.extras import missing_extra
-from idemq.errors import BrokerUnavailableError, ConfigurationError
+from idemq.errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    StoreConfigurationError,
+    StoreUnavailableError,
+)
 from idemq.guard.probes import CompositeObserver, Observer
 from idemq.observe.logs import LoggingObserver
 from idemq.stores import store_label
@@ -84,6 +89,7 @@ def open_guard(
     """
     store = open_store_for(store_url, table=table, prefix=prefix)
     if isinstance(store, idemq.RedisStore):
+        _refused_setup_stops(store, consumer)
         return idemq.Idempotency(store, consumer=consumer, mode="lease")
     try:
         store.create_schema()
@@ -91,6 +97,20 @@ def open_guard(
         store.close()
         raise
     return idemq.Idempotency(store, consumer=consumer)
+
+
+def _refused_setup_stops(store: idemq.RedisStore, consumer: str) -> None:
+    """One read at start-up, so a setup Redis refuses (an untrusted TLS certificate) stops the
+    worker with :class:`~idemq.StoreConfigurationError`, as ``create_schema`` does for SQL;
+    once running, the loop would only hold each message back, for ever. An outage is left to
+    the loop, which waits it out."""
+    try:
+        store.get("idemq-start-up-check", consumer)
+    except StoreConfigurationError:
+        store.close()
+        raise
+    except StoreUnavailableError:
+        pass
 
 
 def load_handler(spec: str) -> Handler:
