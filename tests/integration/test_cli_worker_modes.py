@@ -179,10 +179,10 @@ def test_lease_mode_on_a_sql_store_runs_an_outside_effect_once(
         store.drop_schema()
         store.close()
     assert code == 0, worker.log.read_text()
-    assert "mode=lease" in worker.log.read_text()
     # One effect each, and the handler ran outside any transaction (tx=None).
     assert worker.lines() == ["A none", "B none", "Z none"]
     assert all(r is not None and r.status.name == "PROCESSED" for r in records.values()), records
+    assert "mode=lease" in worker.log.read_text()
 
 
 def _refusal(tmp_path: Path, store_url: str, *options: str) -> subprocess.CompletedProcess[str]:
