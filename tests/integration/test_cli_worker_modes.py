@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from idemq.brokers import open_broker
+from idemq.brokers.embedded import EmbeddedBroker
 from idemq.stores import open_store
 from tests.conftest import (
     MYSQL_URL,
@@ -31,8 +32,11 @@ AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 # it or make it atomic with the dedup record. The line also says what the worker passed as tx.
 FILE_HANDLER = """
 import os
+import time
 
 def handle(msg, tx):
+    # A slow effect (an HTTP call, say): this long, to outlast the lease unless it is renewed.
+    time.sleep(float(os.environ.get("EFFECT_S", "0")))
     line = f"{msg.id} {'none' if tx is None else 'tx'}\\n"
     fd = os.open(os.environ["EFFECTS_FILE"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
@@ -85,15 +89,24 @@ class Worker:
             *options,
         ]
 
-    def start(self, *options: str) -> None:
+    def start(self, *options: str, effect_s: float = 0.0, log_name: str = "worker.log") -> None:
+        self.log = self.tmp_path / log_name
         with self.log.open("w") as sink:
             self.proc = subprocess.Popen(
                 self.argv(*options),
                 cwd=self.tmp_path,
                 stdout=sink,
                 stderr=sink,
-                env=_env(EFFECTS_FILE=str(self.effects)),
+                env=_env(EFFECTS_FILE=str(self.effects), EFFECT_S=str(effect_s)),
             )
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "idemq worker ready" not in self.log.read_text():
+            assert self.proc is not None
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.05)
 
     def lines(self) -> list[str]:
         return self.effects.read_text().splitlines() if self.effects.exists() else []
@@ -183,6 +196,49 @@ def test_lease_mode_on_a_sql_store_runs_an_outside_effect_once(
     assert worker.lines() == ["A none", "B none", "Z none"]
     assert all(r is not None and r.status.name == "PROCESSED" for r in records.values()), records
     assert "mode=lease" in worker.log.read_text()
+
+
+def test_lease_mode_renews_the_lease_of_an_effect_that_outlasts_it(tmp_path: Path, queue: str):
+    """Two workers, one message delivered twice at once, a handler three times as long as the
+    lease: the second worker finds the claim live each time it retries (renewed by the first)
+    and answers DUPLICATE once the first completes. Without renewal it would take the expired
+    claim over and run the effect a second time."""
+    table = unique("idem")
+    store_url = _store_url("postgres", tmp_path)
+    broker_url = _broker_url("embedded", tmp_path)
+    first = Worker(tmp_path, broker_url, queue, store_url)
+    second = Worker(tmp_path, broker_url, queue, store_url)
+    options = ("--mode", "lease", "--lease-s", "1", "--table", table)
+    # One after the other: two workers creating the same new table at once on PostgreSQL can
+    # collide in its catalog (CREATE TABLE IF NOT EXISTS is not atomic there).
+    first.start(*options, effect_s=7.0, log_name="first.log")
+    depth = EmbeddedBroker(tmp_path / "q.db")
+    try:
+        first.wait_ready()
+        second.start(*options, effect_s=7.0, log_name="second.log")
+        second.wait_ready()
+        _publisher(broker_url, queue)("SLOW", "SLOW")  # a producer retry: one message twice
+        deadline = time.monotonic() + 90
+        # Done when the effect is there and no copy is left queued (nor waiting for a retry).
+        while not (first.ids() and depth.depth(queue) == 0):
+            for worker in (first, second):
+                assert worker.proc is not None
+                assert worker.proc.poll() is None, worker.log.read_text()
+            assert time.monotonic() < deadline, (first.lines(), depth.depth(queue))
+            time.sleep(0.1)
+    finally:
+        depth.close()
+        codes = [first.stop(), second.stop()]
+        store = open_store(store_url, table=table)
+        try:
+            record = store.get("SLOW", queue)
+        finally:
+            store.drop_schema()
+            store.close()
+    assert codes == [0, 0], (first.log.read_text(), second.log.read_text())
+    assert first.lines() == ["SLOW none"]  # both workers append to the same file
+    assert record is not None
+    assert record.status.name == "PROCESSED"
 
 
 def _refusal(tmp_path: Path, store_url: str, *options: str) -> subprocess.CompletedProcess[str]:
