@@ -218,6 +218,10 @@ def test_lease_mode_renews_the_lease_of_an_effect_that_outlasts_it(tmp_path: Pat
         second.start(*options, effect_s=7.0, log_name="second.log")
         second.wait_ready()
         _publisher(broker_url, queue)("SLOW", "SLOW")  # a producer retry: one message twice
+        # While the handler runs, its claim is a lease of --lease-s (1 s), not the default 30 s:
+        # the database server's clock (the lease clock) is this machine's.
+        held_ms = _lease_left_ms(store_url, table, "SLOW", queue)
+        assert 0 < held_ms <= 1500, held_ms
         deadline = time.monotonic() + 90
         # Done when the effect is there and no copy is left queued (nor waiting for a retry).
         while not (first.ids() and depth.depth(queue) == 0):
@@ -239,6 +243,21 @@ def test_lease_mode_renews_the_lease_of_an_effect_that_outlasts_it(tmp_path: Pat
     assert first.lines() == ["SLOW none"]  # both workers append to the same file
     assert record is not None
     assert record.status.name == "PROCESSED"
+
+
+def _lease_left_ms(store_url: str, table: str, message_id: str, consumer: str) -> int:
+    """How long the claim of ``message_id`` is held from now, once the store has it PROCESSING."""
+    store = open_store(store_url, table=table)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            record = store.get(message_id, consumer)
+            if record is not None and record.lease_until_ms is not None:
+                return record.lease_until_ms - round(time.time() * 1000)
+            assert time.monotonic() < deadline, record
+            time.sleep(0.02)
+    finally:
+        store.close()
 
 
 def _refusal(tmp_path: Path, store_url: str, *options: str) -> subprocess.CompletedProcess[str]:
