@@ -209,13 +209,12 @@ def test_lease_mode_renews_the_lease_of_an_effect_that_outlasts_it(tmp_path: Pat
     first = Worker(tmp_path, broker_url, queue, store_url)
     second = Worker(tmp_path, broker_url, queue, store_url)
     options = ("--mode", "lease", "--lease-s", "1", "--table", table)
-    # One after the other: two workers creating the same new table at once on PostgreSQL can
-    # collide in its catalog (CREATE TABLE IF NOT EXISTS is not atomic there).
+    # Started together, as a deployment's replicas are: both create the dedup table.
     first.start(*options, effect_s=7.0, log_name="first.log")
+    second.start(*options, effect_s=7.0, log_name="second.log")
     depth = EmbeddedBroker(tmp_path / "q.db")
     try:
-        first.wait_ready()
-        second.start(*options, effect_s=7.0, log_name="second.log")
+        first.wait_ready()  # both consuming before the two copies are published
         second.wait_ready()
         _publisher(broker_url, queue)("SLOW", "SLOW")  # a producer retry: one message twice
         # While the handler runs, its claim is a lease of --lease-s (1 s), not the default 30 s:
