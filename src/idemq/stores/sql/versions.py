@@ -63,6 +63,7 @@ __all__ = [
     "TableUpgrade",
     "build_version_table",
     "create_recorded",
+    "creation_lock",
     "forget_version",
     "plan_upgrade",
     "recorded_version",
@@ -169,9 +170,9 @@ def create_recorded(conn: Connection, table: Table, kind: str, version: int) -> 
     """Create ``table`` (and its indexes) if it is missing and record it at ``version``; a table
     that exists is left as it is (``idemq schema upgrade`` brings it up). True if created.
 
-    Creations in one database run one at a time (:func:`_creation_lock`), each looking for the
+    Creations in one database run one at a time (:func:`creation_lock`), each looking for the
     table only once it holds the lock."""
-    with _creation_lock(conn, table.schema):
+    with creation_lock(conn, table.schema):
         if sa.inspect(conn).has_table(table.name, schema=table.schema):
             return False
         table.create(conn, checkfirst=True)
@@ -180,7 +181,7 @@ def create_recorded(conn: Connection, table: Table, kind: str, version: int) -> 
 
 
 @contextmanager
-def _creation_lock(conn: Connection, schema: str | None) -> Iterator[None]:
+def creation_lock(conn: Connection, schema: str | None) -> Iterator[None]:
     """Workers started together on a fresh database all find the table missing and all create
     it: on PostgreSQL the losers fail on the catalog's unique index, on MariaDB/MySQL with "table
     already exists", and exit. So each creation holds a lock while it looks and creates.
