@@ -197,6 +197,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         give_up_after_s=args.give_up_after,
         log_error_text=args.log_error_text,
+        mode=args.mode,
+        lease_s=args.lease_s,
+        expires_after_s=args.expires_after,
     )
     return EXIT_OK
 

@@ -127,6 +127,41 @@ def _add_batch_flags(worker: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_guard_mode(worker: argparse.ArgumentParser) -> None:
+    """``--mode``, ``--lease-s`` and ``--expires-after``: how the worker's guard claims."""
+    worker.add_argument(
+        "--mode",
+        choices=("transactional", "lease"),
+        help="transactional (SQL default): the handler's writes share the dedup row's"
+        " transaction (tx); lease (Redis's only mode): an effect outside the store's database,"
+        " the handler gets tx=None and its claim is a lease renewed while it runs",
+    )
+    worker.add_argument(
+        "--lease-s",
+        type=_positive_s,
+        metavar="S",
+        help="lease mode: how long a claim is held unless renewed (default 30)",
+    )
+    worker.add_argument(
+        "--expires-after",
+        type=_positive_s,
+        metavar="S",
+        help="a message completed more than S seconds ago counts as new and runs again"
+        " (default: records never expire; `idemq purge` removes old ones)",
+    )
+
+
+def _positive_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    # NaN and inf pass float(); neither is a lease or a window anyone means.
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return value
+
+
 def _chaos_arguments(chaos: argparse.ArgumentParser) -> None:
     add_url_option(chaos, "--broker", "amqp://, kafka://, nats://, redis://, embedded://")
     add_url_option(chaos, "--store", "SQLAlchemy URL or redis://")
@@ -258,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (extra: metrics)"
     )
     _add_batch_flags(worker)
+    _add_guard_mode(worker)
     worker.add_argument(
         "--relay", action="store_true", help="also relay the store's outbox to the broker"
     )

@@ -44,7 +44,7 @@ from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from idemq.errors import ConfigurationError
 from idemq.stores.sql.schema import check_table_name as check_name
-from idemq.stores.sql.versions import record_version
+from idemq.stores.sql.versions import creation_lock, record_version
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -187,24 +187,26 @@ def adopt_or_create(conn: Connection, name: str) -> None:
 
     A table someone else made is kept as it is when it has our columns, and refused with one
     error naming the missing ones when it does not. A table created here has its schema version
-    recorded.
+    recorded. Creations in one database run one at a time (``creation_lock``): relays started
+    together on a fresh database would otherwise all create the tables, and all but one fail.
     """
-    inspector = inspect(conn)
-    for table in tables_for(conn.dialect, name):
-        if not inspector.has_table(table.name):
-            table.create(conn)
-            record_version(conn, table.name, "outbox", OUTBOX_SCHEMA_VERSION)
-            continue
-        have = {column["name"] for column in inspector.get_columns(table.name)}
-        missing = [column.name for column in table.columns if column.name not in have]
-        if missing:
-            raise ConfigurationError(
-                f"table {table.name!r} exists without the outbox columns {missing}"
-            )
-        indexed = {index["name"] for index in inspector.get_indexes(table.name)}
-        for index in table.indexes:
-            if index.name not in indexed:
-                index.create(conn)
+    with creation_lock(conn, None):
+        inspector = inspect(conn)
+        for table in tables_for(conn.dialect, name):
+            if not inspector.has_table(table.name):
+                table.create(conn)
+                record_version(conn, table.name, "outbox", OUTBOX_SCHEMA_VERSION)
+                continue
+            have = {column["name"] for column in inspector.get_columns(table.name)}
+            missing = [column.name for column in table.columns if column.name not in have]
+            if missing:
+                raise ConfigurationError(
+                    f"table {table.name!r} exists without the outbox columns {missing}"
+                )
+            indexed = {index["name"] for index in inspector.get_indexes(table.name)}
+            for index in table.indexes:
+                if index.name not in indexed:
+                    index.create(conn)
 
 
 def ddl(dialect: Dialect, name: str = DEFAULT_TABLE) -> str:

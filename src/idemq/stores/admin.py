@@ -35,9 +35,15 @@ STUCK_SHOWN = 10  # stuck records listed by `idemq stats` (the count covers all 
 
 
 def open_store_for(
-    url: str, *, table: str | None = None, prefix: str | None = None, must_exist: bool = False
+    url: str,
+    *,
+    table: str | None = None,
+    prefix: str | None = None,
+    must_exist: bool = False,
+    **options: Any,
 ) -> Any:
-    """The store at ``url``, on a non-default SQL ``table`` or Redis key ``prefix`` if given.
+    """The store at ``url``, on a non-default SQL ``table`` or Redis key ``prefix`` if given;
+    ``options`` go to the store's constructor as they are.
 
     ``must_exist``: a SQLite URL naming a file that does not exist is a
     :class:`~idemq.ConfigurationError` (SQLite would create an empty database there: a mistyped
@@ -48,10 +54,14 @@ def open_store_for(
     if is_redis_url(url):
         if table is not None:
             raise ConfigurationError("--table is for SQL stores; a Redis store takes --prefix")
-        return open_store(url) if prefix is None else open_store(url, prefix=prefix)
+        return (
+            open_store(url, **options)
+            if prefix is None
+            else open_store(url, prefix=prefix, **options)
+        )
     if prefix is not None:
         raise ConfigurationError("--prefix is for Redis stores; an SQL store takes --table")
-    return open_store(url) if table is None else open_store(url, table=table)
+    return open_store(url, **options) if table is None else open_store(url, table=table, **options)
 
 
 def _check_sqlite_file_exists(url: str) -> None:

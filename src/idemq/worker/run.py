@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -19,12 +20,11 @@ from idemq.drivers.extras import missing_extra
 from idemq.errors import (
     BrokerUnavailableError,
     ConfigurationError,
-    StoreConfigurationError,
     StoreUnavailableError,
 )
 from idemq.guard.probes import CompositeObserver, Observer
 from idemq.observe.logs import LoggingObserver
-from idemq.stores import store_label
+from idemq.stores import is_redis_url, store_label
 from idemq.stores.admin import open_store_for
 from idemq.worker.batch import BatchSettings
 from idemq.worker.loop import Handler, Worker
@@ -34,6 +34,8 @@ from idemq.worker.settle import WorkerStats
 __all__ = ["check_handler", "load_handler", "open_guard", "run_worker", "worker_observer"]
 
 log = logging.getLogger("idemq.worker")
+
+DEFAULT_LEASE_S = 30.0  # the guard's own default
 
 
 def worker_observer(
@@ -80,23 +82,58 @@ def worker_observer(
 
 
 def open_guard(
-    store_url: str, consumer: str, *, table: str | None = None, prefix: str | None = None
+    store_url: str,
+    consumer: str,
+    *,
+    table: str | None = None,
+    prefix: str | None = None,
+    mode: str | None = None,
+    lease_s: float | None = None,
+    expires_after_s: float | None = None,
 ) -> idemq.Idempotency:
     """An :class:`idemq.Idempotency` over the store at ``store_url`` (SQLAlchemy or redis URL),
     on a non-default SQL ``table`` or Redis key ``prefix`` if given.
 
-    SQL stores run in transactional mode (schema created if missing); Redis in lease mode.
+    ``mode``: ``"transactional"`` (the default on SQL stores: the handler's writes share the
+    dedup row's transaction) or ``"lease"`` (the default and only mode on Redis: the handler
+    gets ``tx=None`` and its claim is a lease of ``lease_s`` seconds, renewed while it runs, for
+    an effect outside the store's database). A Redis store in transactional mode, or
+    ``lease_s`` outside lease mode, is a :class:`~idemq.ConfigurationError`.
+    ``expires_after_s``: a record completed longer ago counts as absent, so its message runs
+    again (the SQL store's ``expires_after_s``, the Redis store's ``ttl_s``).
+    SQL stores get their schema created if missing.
     """
-    store = open_store_for(store_url, table=table, prefix=prefix)
-    if isinstance(store, idemq.RedisStore):
-        _refused_setup_stops(store, consumer)
-        return idemq.Idempotency(store, consumer=consumer, mode="lease")
+    redis = is_redis_url(store_url)
+    if mode == "transactional" and redis:
+        # Refused before connecting: the store's own message would come after a connection
+        # attempt, and a typo'd flag should not wait on a network timeout to be reported.
+        raise ConfigurationError(
+            "--mode transactional needs a SQL store: a Redis store cannot share a transaction"
+            " with the handler's writes; use --mode lease"
+        )
+    leased = mode == "lease" or (mode is None and redis)
+    if lease_s is not None and not leased:
+        raise ConfigurationError(
+            "--lease-s is for lease mode: a transactional claim holds no lease (add --mode lease)"
+        )
+    options: dict[str, Any] = {}
+    if expires_after_s is not None:
+        options["ttl_s" if redis else "expires_after_s"] = expires_after_s
+    store = open_store_for(store_url, table=table, prefix=prefix, **options)
     try:
-        store.create_schema()
+        if redis:
+            _refused_setup_stops(store, consumer)
+        else:
+            store.create_schema()
+        return idemq.Idempotency(
+            store,
+            consumer=consumer,
+            mode="lease" if leased else "transactional",
+            lease_s=DEFAULT_LEASE_S if lease_s is None else lease_s,
+        )
     except BaseException:
         store.close()
         raise
-    return idemq.Idempotency(store, consumer=consumer)
 
 
 def _refused_setup_stops(store: idemq.RedisStore, consumer: str) -> None:
@@ -104,13 +141,8 @@ def _refused_setup_stops(store: idemq.RedisStore, consumer: str) -> None:
     worker with :class:`~idemq.StoreConfigurationError`, as ``create_schema`` does for SQL;
     once running, the loop would only hold each message back, for ever. An outage is left to
     the loop, which waits it out."""
-    try:
+    with contextlib.suppress(StoreUnavailableError):
         store.get("idemq-start-up-check", consumer)
-    except StoreConfigurationError:
-        store.close()
-        raise
-    except StoreUnavailableError:
-        pass
 
 
 def load_handler(spec: str) -> Handler:
@@ -183,6 +215,9 @@ def run_worker(
     prefix: str | None = None,
     give_up_after_s: float | None = None,
     log_error_text: bool = False,
+    mode: str | None = None,
+    lease_s: float | None = None,
+    expires_after_s: float | None = None,
 ) -> WorkerStats:
     """What ``idemq worker MODULE:HANDLER --broker URL --queue NAME --store URL`` runs.
 
@@ -204,6 +239,7 @@ def run_worker(
     :class:`~idemq.ConfigurationError` at once.
     ``log_error_text``: log a failing handler's exception text and traceback (by default its
     class and where it was raised only: the text may quote the payload).
+    ``mode``, ``lease_s``, ``expires_after_s``: see :func:`open_guard`.
     """
     batch = None if batch_size is None else BatchSettings(batch_size, batch_wait_ms)
     if isinstance(handler, str):
@@ -211,7 +247,15 @@ def run_worker(
     else:
         check_handler(handler, getattr(handler, "__qualname__", repr(handler)))
         fn = handler
-    guard = open_guard(store_url, consumer or queue, table=table, prefix=prefix)
+    guard = open_guard(
+        store_url,
+        consumer or queue,
+        table=table,
+        prefix=prefix,
+        mode=mode,
+        lease_s=lease_s,
+        expires_after_s=expires_after_s,
+    )
     stop_metrics: Callable[[], None] = lambda: None  # noqa: E731
     outbox_relay: idemq.OutboxRelay | None = None
     try:
@@ -237,7 +281,7 @@ def run_worker(
         observer=guard.observer,
         description=(
             f"broker={mask_url(broker_url)} queue={queue} store={mask_url(store_url)}"
-            f" concurrency={concurrency}"
+            f" concurrency={concurrency} mode={guard.mode.value}"
             + ("" if batch is None else f" batch_size={batch.size} batch_wait_ms={batch.wait_ms}")
         ),
         batch=batch,

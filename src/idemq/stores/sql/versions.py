@@ -63,6 +63,7 @@ __all__ = [
     "TableUpgrade",
     "build_version_table",
     "create_recorded",
+    "creation_lock",
     "forget_version",
     "plan_upgrade",
     "recorded_version",
@@ -167,12 +168,52 @@ def forget_version(conn: Connection, name: str, schema: str | None = None) -> No
 
 def create_recorded(conn: Connection, table: Table, kind: str, version: int) -> bool:
     """Create ``table`` (and its indexes) if it is missing and record it at ``version``; a table
-    that exists is left as it is (``idemq schema upgrade`` brings it up). True if created."""
-    if sa.inspect(conn).has_table(table.name, schema=table.schema):
-        return False
-    table.create(conn, checkfirst=True)
-    record_version(conn, table.name, kind, version, table.schema)
-    return True
+    that exists is left as it is (``idemq schema upgrade`` brings it up). True if created.
+
+    Creations in one database run one at a time (:func:`creation_lock`), each looking for the
+    table only once it holds the lock."""
+    with creation_lock(conn, table.schema):
+        if sa.inspect(conn).has_table(table.name, schema=table.schema):
+            return False
+        table.create(conn, checkfirst=True)
+        record_version(conn, table.name, kind, version, table.schema)
+        return True
+
+
+@contextmanager
+def creation_lock(conn: Connection, schema: str | None) -> Iterator[None]:
+    """Workers started together on a fresh database all find the table missing and all create
+    it: on PostgreSQL the losers fail on the catalog's unique index, on MariaDB/MySQL with "table
+    already exists", and exit. So each creation holds a lock while it looks and creates.
+
+    PostgreSQL: ``pg_advisory_xact_lock``, released when ``conn``'s transaction ends (after the
+    version row is written). MariaDB/MySQL: ``GET_LOCK`` on ``conn``'s session (its DDL commits
+    implicitly, so a transaction could not hold anything), released here. SQLite: one writer
+    at a time already."""
+    dialect = conn.dialect.name
+    database = schema or conn.engine.url.database or ""
+    digest = hashlib.sha256(f"idemq create {database}".encode()).digest()
+    if dialect == "postgresql":
+        key = int.from_bytes(digest[:8], "big", signed=True)
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+        yield
+        return
+    if dialect not in ("mysql", "mariadb"):
+        yield
+        return
+    name = f"idemq_schema_create_{digest.hex()[:32]}"  # GET_LOCK names: 64 characters at most
+    got = conn.execute(
+        sa.text("SELECT GET_LOCK(:name, :wait_s)"), {"name": name, "wait_s": UPGRADE_LOCK_WAIT_S}
+    ).scalar()
+    if got != 1:
+        raise StoreConflictError(
+            f"another creation of idemq's tables in {database!r} still runs after"
+            f" {UPGRADE_LOCK_WAIT_S} s"
+        )
+    try:
+        yield
+    finally:
+        conn.execute(sa.text("SELECT RELEASE_LOCK(:name)"), {"name": name})
 
 
 # -- upgrades -------------------------------------------------------------------------------
