@@ -38,6 +38,7 @@ from datetime import UTC, date, datetime, time
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from idemq.errors import ConfigurationError, InvalidMessageError, ResultNotSerializableError
+from idemq.stores.base import STORED_NONE
 
 __all__ = [
     "NULL_RESULT",
@@ -52,9 +53,9 @@ __all__ = [
 
 T = TypeVar("T")
 
-NULL_RESULT = "null"
+NULL_RESULT = STORED_NONE
 """A ``None`` result as stored, whatever the codec: the result a transactional claim row is
-written with, so a handler that returns ``None`` needs no second statement."""
+written with (the stores' :data:`~idemq.stores.base.STORED_NONE`, one value for both floors)."""
 
 # Built once: json.dumps with any non-default option builds a new JSONEncoder per call.
 _RESULT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
