@@ -3,7 +3,9 @@
 Without a lock between them, the losers met each other's DDL: a deadlock between the
 ``CREATE INDEX CONCURRENTLY`` builds on PostgreSQL, a duplicate index name on MariaDB (exit 4).
 To make the three meet every run, the test holds a transaction on the table that the index
-build must wait for, and lets go once all three upgraders are waiting on a lock.
+build must wait for, and lets go once all three upgraders wait: on PostgreSQL one builds (its
+index build waits on a lock) while the other two, connected, keep asking for the upgrade lock;
+on MariaDB all three wait on a lock.
 """
 
 from __future__ import annotations
@@ -31,18 +33,25 @@ UPGRADERS = 3
 
 
 def _waiting_upgraders(conn: sa.Connection, server: str, name: str) -> int:
-    """How many upgraders' sessions wait on a lock (the index build's or one between them)."""
+    """How many upgraders wait: on PostgreSQL all of them once one's index build waits on a
+    lock and every other one is connected (asking for the upgrade lock between pauses: the
+    builder has two sessions, each waiter one); on MariaDB the sessions waiting on a lock."""
     if server == "postgres":
-        sql = (
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"
-            " AND state = 'active' AND wait_event_type = 'Lock'"
-        )
-    else:
-        sql = (
-            "SELECT count(*) FROM information_schema.processlist WHERE id <> connection_id()"
-            " AND (info LIKE CONCAT('ALTER TABLE %', :name, '%') OR info LIKE '%GET_LOCK%')"
-            " AND state LIKE '%lock%'"
-        )
+        counts = conn.execute(
+            sa.text(
+                "SELECT count(*), count(*) FILTER (WHERE state = 'active'"
+                " AND wait_event_type = 'Lock') FROM pg_stat_activity"
+                " WHERE application_name = :name"
+            ),
+            {"name": name},
+        ).one()
+        sessions, building = int(counts[0]), int(counts[1])
+        return UPGRADERS if building >= 1 and sessions >= UPGRADERS + 1 else 0
+    sql = (
+        "SELECT count(*) FROM information_schema.processlist WHERE id <> connection_id()"
+        " AND (info LIKE CONCAT('ALTER TABLE %', :name, '%') OR info LIKE '%GET_LOCK%')"
+        " AND state LIKE '%lock%'"
+    )
     return int(conn.execute(sa.text(sql), {"name": name}).scalar_one())
 
 

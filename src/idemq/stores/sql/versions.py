@@ -29,6 +29,7 @@ on MariaDB, concurrent index builds deadlocking on PostgreSQL).
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -321,30 +322,41 @@ def upgrade_lock(engine: Engine, schema: str | None = None) -> Iterator[None]:
     run at a time; wait for it :data:`UPGRADE_LOCK_WAIT_S` at most
     (:class:`~idemq.StoreConflictError` after that: another upgrade is still running).
 
-    PostgreSQL: ``LOCK TABLE idemq_schema_version IN SHARE UPDATE EXCLUSIVE MODE`` in a
-    transaction left open. Not an advisory lock: a session waiting in ``SELECT
-    pg_advisory_lock()`` holds a snapshot, which the holder's ``CREATE INDEX CONCURRENTLY`` must
-    wait out, a wait across two sessions no deadlock detector sees. ``LOCK TABLE`` waits without
-    a snapshot, and the mode lets every reader and writer of the version table pass
-    (``create_schema``, the holder's own record). MariaDB/MySQL: ``GET_LOCK`` (server-wide, so
-    its name carries the database). SQLite: nothing to do (its upgrade is one write transaction).
+    PostgreSQL: a session-level ``pg_try_advisory_lock``, asked again and again outside any
+    transaction until it is granted. Never a lock *waited* for inside a statement: a session
+    blocked in ``pg_advisory_lock()`` or ``LOCK TABLE`` keeps a snapshot (the catalog's, at
+    least) for as long as it waits, the holder's ``CREATE INDEX CONCURRENTLY`` waits for every
+    snapshot older than its own, and neither wait is one the deadlock detector sees: three
+    upgrades started together hung for ever. Between two tries a waiter holds nothing. The
+    holder's own connection sits idle outside a transaction, so it holds no snapshot either.
+    MariaDB/MySQL: ``GET_LOCK`` (server-wide, so its name carries the database). SQLite:
+    nothing to do (its upgrade is one write transaction).
     """
     dialect = engine.dialect.name
     if dialect == "sqlite":
         yield
         return
     if dialect == "postgresql":
-        with engine.begin() as conn:
-            versions = _ensure_version_table(conn, schema)
-        with engine.connect() as conn:
-            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{UPGRADE_LOCK_WAIT_S}s'")
-            conn.exec_driver_sql(
-                f"LOCK TABLE {_qualified(conn.dialect, versions)} IN SHARE UPDATE EXCLUSIVE MODE"
-            )
+        database = schema or engine.url.database or ""
+        hashed = hashlib.sha256(f"idemq upgrade {database}".encode()).digest()
+        key = int.from_bytes(hashed[:8], "big", signed=True)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            deadline = time.monotonic() + UPGRADE_LOCK_WAIT_S
+            pause_s = 0.05
+            while not conn.execute(
+                sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": key}
+            ).scalar():
+                if time.monotonic() >= deadline:
+                    raise StoreConflictError(
+                        f"another schema upgrade of {database!r} still runs after"
+                        f" {UPGRADE_LOCK_WAIT_S} s"
+                    )
+                time.sleep(pause_s)
+                pause_s = min(pause_s * 2, 1.0)
             try:
                 yield
             finally:
-                conn.rollback()
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
         return
     database = schema or engine.url.database or ""
     digest = hashlib.sha256(database.encode()).hexdigest()[:32]
