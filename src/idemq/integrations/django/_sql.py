@@ -26,6 +26,7 @@ from sqlalchemy.sql.compiler import Compiled
 
 from idemq._plan import drive
 from idemq.drivers.sql import Plan, Reply, Step, translate_db_error
+from idemq.outbox.outbox import IdTakenError, id_taken
 
 __all__ = ["CursorRunner", "driver_error", "wrap_driver_error"]
 
@@ -93,15 +94,19 @@ class CursorRunner:
 
     def run_steps(self, raw_connection: Any, plan: Any, doing: str) -> Any:
         """Carry out a plan of ``(statement, params)`` steps that reads each reply's
-        ``first()`` row (the outbox's add plan)."""
+        ``first()`` row and ``rowcount`` (the outbox's add plan); a duplicate key on
+        MariaDB/MySQL is thrown into the plan as the outbox's :class:`IdTakenError`, as
+        :meth:`idemq.Outbox.add` does (an id a racing or earlier add already holds)."""
 
         def execute(step: tuple[Executable, Any]) -> _Rows:
             try:
                 reply = self.execute(raw_connection, Step(*step))
             except self.dbapi.Error as error:
                 wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
+                if id_taken(wrapped):
+                    raise IdTakenError(str(error)) from error
                 raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
-            return _Rows(reply.rows)
+            return _Rows(reply.rows, reply.rowcount)
 
         return drive(plan, execute)
 
@@ -158,7 +163,12 @@ class CursorRunner:
 
 
 class _Rows(list[Any]):
-    """Rows with the one method of SQLAlchemy's ``Result`` the outbox's plan reads."""
+    """Rows with what of SQLAlchemy's ``Result`` the outbox's plan reads: ``first()`` and
+    ``rowcount`` (0 when an ``ON CONFLICT DO NOTHING`` found the id taken)."""
+
+    def __init__(self, rows: Any, rowcount: int) -> None:
+        super().__init__(rows)
+        self.rowcount = rowcount
 
     def first(self) -> Any:
         return self[0] if self else None
