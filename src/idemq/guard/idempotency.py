@@ -23,14 +23,14 @@ from idemq.guard.core import Outcome
 from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
 from idemq.guard.renewal import Holding, LeaseKeeper
 from idemq.message import Message
-from idemq.stores.base import ForgetResult, Store, TransactionalStore
+from idemq.stores.base import ForgetResult, GuardStore, TransactionalGuardStore
 
 __all__ = ["Idempotency"]
 
 T = TypeVar("T")
 
 
-class Idempotency(GuardBase[Store]):
+class Idempotency(GuardBase[GuardStore]):
     """Guards message handlers so each message's effect happens once.
 
     ``Idempotency(SqlStore(url), consumer="orders")`` runs handlers in the dedup transaction;
@@ -38,7 +38,7 @@ class Idempotency(GuardBase[Store]):
     ``clock`` returns epoch milliseconds (inject a fake one to test lease expiry).
     """
 
-    _transactional_protocol = TransactionalStore
+    _transactional_protocol = TransactionalGuardStore
     _keeper: LeaseKeeper | None = None
 
     def process(
@@ -160,7 +160,7 @@ class Idempotency(GuardBase[Store]):
             with self._lease_keeper.holding() as holding:
                 execute = functools.partial(self._execute, None, handler, holding=holding)
                 return drive(make_flow(retries), execute)
-        store = cast(TransactionalStore, self.store)
+        store = cast(TransactionalGuardStore, self.store)
         while True:
             try:
                 with store.transaction(connection) as tx:

@@ -24,20 +24,25 @@ from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, mes
 from idemq.guard.inflight import InFlight
 from idemq.guard.renewal import AsyncHolding, keep_async
 from idemq.message import Message
-from idemq.stores.base import AsyncStore, AsyncTransactionalStore, ClaimRequest, ForgetResult
+from idemq.stores.base import (
+    AsyncGuardStore,
+    AsyncTransactionalGuardStore,
+    ClaimRequest,
+    ForgetResult,
+)
 
 __all__ = ["AsyncIdempotency"]
 
 T = TypeVar("T")
 
 
-class AsyncIdempotency(GuardBase[AsyncStore]):
+class AsyncIdempotency(GuardBase[AsyncGuardStore]):
     """The asyncio twin of :class:`~idemq.Idempotency`: same arguments, ``await guard.process()``.
 
     ``handler`` may be a coroutine function or a plain function.
     """
 
-    _transactional_protocol = AsyncTransactionalStore
+    _transactional_protocol = AsyncTransactionalGuardStore
 
     @functools.cached_property
     def _inflight(self) -> InFlight | None:
@@ -199,7 +204,7 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
                 return await adrive(make_flow(retries), execute)
             finally:
                 holding.close()
-        store = cast(AsyncTransactionalStore, self.store)
+        store = cast(AsyncTransactionalGuardStore, self.store)
         while True:
             try:
                 async with store.transaction(connection) as tx:
