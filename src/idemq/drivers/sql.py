@@ -484,11 +484,7 @@ def discard_inherited_connections(engine: Engine) -> None:
 
 
 def sql_engine(engine_or_url: sa.Engine | str) -> sa.Engine:
-    """A SQLAlchemy Engine from an Engine (returned as is) or a URL."""
+    """An Engine handed in (returned as is, the caller's own), or :func:`engine_from_url`'s."""
     if isinstance(engine_or_url, sa.Engine):
         return engine_or_url
-    try:
-        return sa.create_engine(engine_or_url)
-    except (SQLAlchemyError, ImportError, ValueError) as error:
-        shown = mask_url(engine_or_url) if isinstance(engine_or_url, str) else engine_or_url
-        raise ConfigurationError(f"cannot build a SQL engine from {shown!r}") from error
+    return engine_from_url(engine_or_url)
