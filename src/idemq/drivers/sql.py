@@ -43,9 +43,11 @@ from idemq.drivers.extras import SQL_DRIVER_EXTRAS, missing_extra
 from idemq.drivers.urls import mask_url
 from idemq.errors import (
     ConfigurationError,
+    DuplicateKeyError,
     StoreConfigurationError,
     StoreConflictError,
     StoreError,
+    StoreIntegrityError,
     StoreUnavailableError,
     TransactionLostError,
 )
@@ -61,6 +63,7 @@ __all__ = [
     "async_url",
     "begin",
     "connection_lost",
+    "create_table_once",
     "discard_inherited_connections",
     "driver_reports_aborts",
     "engine_from_url",
@@ -167,6 +170,14 @@ _TLS_REFUSING_TEXTS = (
 )
 _PG_MISSING_TEXT = re.compile(r'FATAL: +(role|database) "[^"]*" does not exist')
 _SQLITE_MISSING_TABLE = "no such table"
+# A unique or primary key already holds the inserted value: PostgreSQL's unique_violation,
+# MariaDB/MySQL's ER_DUP_ENTRY, SQLite's constraint message.
+_PG_DUPLICATE_SQLSTATE = "23505"
+_MYSQL_DUPLICATE_ERRNO = 1062
+_SQLITE_DUPLICATE_TEXTS = ("UNIQUE constraint failed", "PRIMARY KEY must be unique")
+# A password as drivers and SQLAlchemy may echo it: in a URL (user:secret@host) or a libpq
+# conninfo string (password=secret), e.g. psycopg's "invalid dsn" message.
+_SECRET = re.compile(r"(://[^:/@\s]*:)\S*@|(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
 # SQLAlchemy's own errors (no driver error under them) that mean "no usable connection".
 _UNREACHABLE = (
     OSError,
@@ -187,14 +198,17 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
     * a refused login, an unknown database, a missing table, a server certificate the given CA
       did not sign → :class:`StoreConfigurationError`
       (the same settings fail the same way: the CLI exits 2, not 4);
-    * anything else (constraint violation, a statement SQLAlchemy could not
-      compile or bind) → :class:`StoreError`.
+    * a key already taken → :class:`DuplicateKeyError`; another constraint violation →
+      :class:`StoreIntegrityError`;
+    * anything else (a statement the server or SQLAlchemy could not compile or bind) →
+      :class:`StoreError`.
 
-    The caller raises the returned error ``from`` the original, so it stays as ``__cause__``.
-    Messages never include the URL's password or the statement's parameters.
+    ``doing`` names the statement or step, so a programming error says which one failed. The
+    caller raises the returned error ``from`` the original, so it stays as ``__cause__``.
+    Messages never include a password or the statement's parameters.
     """
     if not isinstance(error, exc.DBAPIError):
-        message = f"{doing} failed: {type(error).__name__}: {error}"
+        message = _without_secrets(f"{doing} failed: {type(error).__name__}: {error}")
         if isinstance(error, _UNREACHABLE):
             return StoreUnavailableError(message)
         return StoreError(message)
@@ -204,9 +218,16 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
     errno = args[0] if args else None
     # First line only: driver messages can run on with the statement and its parameters.
     first_line = (str(orig).strip().splitlines() or [""])[0]
-    message = f"{doing} failed: {type(orig).__name__}: {first_line}"
+    message = _without_secrets(f"{doing} failed: {type(orig).__name__}: {first_line}")
     if sqlstate in _PG_RETRYABLE_SQLSTATES or errno in _MYSQL_RETRYABLE_ERRNOS:
         return StoreConflictError(message)
+    if isinstance(error, exc.IntegrityError):
+        duplicate = (
+            sqlstate == _PG_DUPLICATE_SQLSTATE
+            or errno == _MYSQL_DUPLICATE_ERRNO
+            or first_line.startswith(_SQLITE_DUPLICATE_TEXTS)
+        )
+        return DuplicateKeyError(message) if duplicate else StoreIntegrityError(message)
     if isinstance(error, exc.OperationalError) and "database is locked" in str(orig):
         return StoreConflictError(message)  # SQLite busy timeout ran out
     if _refuses_setup(str(orig), sqlstate, errno):
@@ -214,6 +235,11 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
     if error.connection_invalidated or isinstance(error, exc.OperationalError | exc.InterfaceError):
         return StoreUnavailableError(message)
     return StoreError(message)
+
+
+def _without_secrets(text: str) -> str:
+    """``text`` with any password in it masked (see ``_SECRET``)."""
+    return _SECRET.sub(lambda m: f"{m.group(1) or m.group(2)}***{'@' if m.group(1) else ''}", text)
 
 
 def _refuses_setup(text: str, sqlstate: object, errno: object) -> bool:
@@ -291,6 +317,24 @@ def translated(doing: str) -> Iterator[None]:
         yield
     except (SQLAlchemyError, OSError) as error:
         raise translate_db_error(error, doing) from error
+
+
+def create_table_once(engine: Engine, table: sa.Table) -> None:
+    """Create ``table`` if it is missing. Processes starting together race between the
+    existence check and the ``CREATE``; losing that race is no failure (the winner's table is
+    used), so only a table still missing afterwards is an error, the first one's."""
+    doing = f"create table {table.name!r}"
+    try:
+        with translated(doing):
+            table.create(engine, checkfirst=True)
+    except StoreError:
+        try:
+            with translated(doing):
+                exists = sa.inspect(engine).has_table(table.name, schema=table.schema)
+        except StoreError:
+            exists = False  # the database cannot be reached: the first failure says so
+        if not exists:
+            raise
 
 
 @contextmanager

@@ -14,14 +14,19 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Connection, Dialect, Engine, TextClause
-from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from idemq._clock import system_clock_ms
 from idemq._plan import Plan, adrive, drive
-from idemq.drivers.sql import driver_reports_aborts, transaction_aborted, translate_db_error
-from idemq.errors import ConfigurationError, InvalidInputError, StoreError, TransactionLostError
+from idemq.drivers.sql import driver_reports_aborts, transaction_aborted, translated
+from idemq.errors import (
+    ConfigurationError,
+    DuplicateKeyError,
+    InvalidInputError,
+    StoreError,
+    TransactionLostError,
+)
 from idemq.outbox.ids import derived_ids, next_outbox_id
 from idemq.outbox.schema import (
     DEFAULT_TABLE,
@@ -38,7 +43,6 @@ __all__ = ["AsyncOutbox", "Outbox", "OutboxBase", "add_plan"]
 MAX_KEY_LENGTH = 128
 MAX_DESTINATION_LENGTH = 255
 MAX_GENERATIONS = 1000  # runs of one message whose rows are all still there: not a real case
-MYSQL_DUPLICATE_KEY = 1062
 
 Step = tuple[TextClause, dict[str, Any]]
 
@@ -84,7 +88,7 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
             raise InvalidInputError(f"outbox message_id must be 1..128 characters: {message_id!r}")
         if (yield sql.has_id, {"id": message_id}).first() is None:
             # A racing add of the same id that committed first: it is there, once.
-            with contextlib.suppress(IdTakenError):
+            with contextlib.suppress(DuplicateKeyError):
                 yield statement, {**params, "id": message_id}
         return message_id
     candidates = derived_ids()
@@ -95,22 +99,11 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
     for candidate in itertools.islice(candidates, MAX_GENERATIONS):
         try:
             reply = yield statement, {**params, "id": candidate}
-        except IdTakenError:
+        except DuplicateKeyError:  # MariaDB/MySQL; the others answer with a row count of 0
             continue
         if reply.rowcount:
             return candidate
     raise StoreError(f"outbox add: {MAX_GENERATIONS} derived ids of this message are all taken")
-
-
-class IdTakenError(StoreError):
-    """An INSERT found its id taken (MySQL/MariaDB's 1062; the other databases say it with a
-    row count of 0): thrown into :func:`add_plan`, never raised to the caller."""
-
-
-def id_taken(exc: DBAPIError) -> bool:
-    """Whether ``exc`` is MySQL/MariaDB's duplicate key (1062): the INSERT's id is taken."""
-    args: tuple[Any, ...] = getattr(exc.orig, "args", ())
-    return isinstance(exc, IntegrityError) and bool(args) and args[0] == MYSQL_DUPLICATE_KEY
 
 
 class OutboxBase:
@@ -131,9 +124,6 @@ class OutboxBase:
     def ddl(self, dialect: Dialect) -> str:
         """The outbox tables' DDL for ``dialect``."""
         return ddl(dialect, self.table)
-
-    def _failed(self, exc: DBAPIError) -> Exception:
-        return translate_db_error(exc, f"outbox add to {self.table}")
 
     def _check_not_aborted(self, driver_connection: Any) -> None:
         # A handler that caught a failed statement without a savepoint of its own leaves
@@ -171,21 +161,15 @@ class Outbox(OutboxBase):
 
     def create_schema(self) -> None:
         """Create the outbox tables and indexes that are missing (safe to call twice)."""
-        try:
-            with self.engine.begin() as conn:
-                adopt_or_create(conn, self.table)
-        except DBAPIError as exc:
-            raise translate_db_error(exc, f"create outbox {self.table}") from exc
+        with translated(f"create outbox {self.table}"), self.engine.begin() as conn:
+            adopt_or_create(conn, self.table)
 
     def drop_schema(self) -> None:
         """Drop both outbox tables (tests, teardown)."""
-        try:
-            with self.engine.begin() as conn:
-                for table in tables_for(conn.dialect, self.table):
-                    table.drop(conn, checkfirst=True)
-                    forget_version(conn, table.name)
-        except DBAPIError as exc:
-            raise translate_db_error(exc, f"drop outbox {self.table}") from exc
+        with translated(f"drop outbox {self.table}"), self.engine.begin() as conn:
+            for table in tables_for(conn.dialect, self.table):
+                table.drop(conn, checkfirst=True)
+                forget_version(conn, table.name)
 
     def add(
         self,
@@ -228,8 +212,11 @@ class Outbox(OutboxBase):
             )
             return added
         conn = _sync_connection(conn_or_session)
+        doing = f"outbox add to {self.table}"
         if driver_reports_aborts(conn.dialect):
-            self._check_not_aborted(conn.connection.driver_connection)
+            with translated(doing):
+                driver_connection = conn.connection.driver_connection
+            self._check_not_aborted(driver_connection)
         plan = add_plan(
             self.statements(conn.dialect),
             destination,
@@ -241,17 +228,10 @@ class Outbox(OutboxBase):
         )
 
         def execute(step: Step) -> Any:
-            try:
+            with translated(doing):
                 return conn.execute(*step)
-            except DBAPIError as exc:
-                if id_taken(exc):
-                    raise IdTakenError(str(exc.orig)) from exc
-                raise
 
-        try:
-            return drive(plan, execute)
-        except DBAPIError as exc:
-            raise self._failed(exc) from exc
+        return drive(plan, execute)
 
 
 class AsyncOutbox(OutboxBase):
@@ -277,11 +257,9 @@ class AsyncOutbox(OutboxBase):
 
     async def create_schema(self) -> None:
         """Create the outbox tables and indexes that are missing (safe to call twice)."""
-        try:
+        with translated(f"create outbox {self.table}"):
             async with self.engine.begin() as conn:
                 await conn.run_sync(lambda sync: adopt_or_create(sync, self.table))
-        except DBAPIError as exc:
-            raise translate_db_error(exc, f"create outbox {self.table}") from exc
 
     async def add(
         self,
@@ -302,8 +280,10 @@ class AsyncOutbox(OutboxBase):
             raise ConfigurationError(
                 f"add needs an AsyncConnection or AsyncSession, got {type(conn_or_session)}"
             )
+        doing = f"outbox add to {self.table}"
         if driver_reports_aborts(conn.dialect):
-            raw = await conn.get_raw_connection()
+            with translated(doing):
+                raw = await conn.get_raw_connection()
             self._check_not_aborted(raw.driver_connection)
         plan = add_plan(
             self.statements(conn.dialect),
@@ -316,17 +296,10 @@ class AsyncOutbox(OutboxBase):
         )
 
         async def execute(step: Step) -> Any:
-            try:
+            with translated(doing):
                 return await conn.execute(*step)
-            except DBAPIError as exc:
-                if id_taken(exc):
-                    raise IdTakenError(str(exc.orig)) from exc
-                raise
 
-        try:
-            return await adrive(plan, execute)
-        except DBAPIError as exc:
-            raise self._failed(exc) from exc
+        return await adrive(plan, execute)
 
 
 def _sync_connection(conn_or_session: Any) -> Connection:

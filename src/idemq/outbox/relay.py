@@ -49,18 +49,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, Row
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from idemq._clock import system_clock_ms
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
-from idemq.drivers.sql import translate_db_error
+from idemq.drivers.sql import translated
 from idemq.errors import (
     BrokerError,
     BrokerUnavailableError,
     ConfigurationError,
     StoreError,
-    StoreUnavailableError,
 )
 from idemq.outbox.admin import cleanup
 from idemq.outbox.leases import RowLeases
@@ -151,15 +149,14 @@ class OutboxRelay:
         # must not count as a refusal of the rows.
         self._open_broker()
         try:
-            if sql.lease:
-                return self._leased_batch(sql)
-            return self._locked_batch(sql)
-        except DBAPIError as exc:
+            with translated(f"relay of {self.outbox.table}"):
+                if sql.lease:
+                    return self._leased_batch(sql)
+                return self._locked_batch(sql)
+        except StoreError:
+            # Its connection may be the one that failed: the next batch opens a fresh one.
             self._drop_connection()
-            raise translate_db_error(exc, f"relay of {self.outbox.table}") from exc
-        except SQLAlchemyError as exc:
-            self._drop_connection()
-            raise StoreUnavailableError(f"relay of {self.outbox.table}: {exc}") from exc
+            raise
 
     def _locked_batch(self, sql: Statements) -> BatchResult:
         conn = self._connection()

@@ -26,7 +26,6 @@ from sqlalchemy.sql.compiler import Compiled
 
 from idemq._plan import drive
 from idemq.drivers.sql import Plan, Reply, Step, translate_db_error
-from idemq.outbox.outbox import IdTakenError, id_taken
 
 __all__ = ["CursorRunner", "driver_error", "wrap_driver_error"]
 
@@ -82,33 +81,24 @@ class CursorRunner:
         """Carry out ``plan`` on ``raw_connection`` (a DB-API connection) inside whatever
         transaction it has open; a database failure is raised into the plan as an idemq error
         naming ``doing``."""
-
-        def execute(step: Step) -> Reply:
-            try:
-                return self.execute(raw_connection, step)
-            except self.dbapi.Error as error:
-                wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
-                raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
-
-        return drive(plan, execute)
+        return drive(plan, lambda step: self._execute_translated(raw_connection, step, doing))
 
     def run_steps(self, raw_connection: Any, plan: Any, doing: str) -> Any:
-        """Carry out a plan of ``(statement, params)`` steps that reads each reply's
-        ``first()`` row and ``rowcount`` (the outbox's add plan); a duplicate key on
-        MariaDB/MySQL is thrown into the plan as the outbox's :class:`IdTakenError`, as
-        :meth:`idemq.Outbox.add` does (an id a racing or earlier add already holds)."""
+        """:meth:`run` for a plan of ``(statement, params)`` steps that reads each reply's
+        ``first()`` row and ``rowcount`` (the outbox's add plan)."""
 
         def execute(step: tuple[Executable, Any]) -> _Rows:
-            try:
-                reply = self.execute(raw_connection, Step(*step))
-            except self.dbapi.Error as error:
-                wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
-                if id_taken(wrapped):
-                    raise IdTakenError(str(error)) from error
-                raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
+            reply = self._execute_translated(raw_connection, Step(*step), doing)
             return _Rows(reply.rows, reply.rowcount)
 
         return drive(plan, execute)
+
+    def _execute_translated(self, raw_connection: Any, step: Step, doing: str) -> Reply:
+        try:
+            return self.execute(raw_connection, step)
+        except self.dbapi.Error as error:
+            wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
+            raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
 
     def execute(self, raw_connection: Any, step: Step) -> Reply:
         """One statement: compiled, expanded, its values converted; every row read back."""
