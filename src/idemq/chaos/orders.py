@@ -67,6 +67,7 @@ __all__ = [
 #: The happy path, in order: "at or past PAID" means PAID or SHIPPED.
 ORDER_STATES = ("PENDING_PAYMENT", "PAYMENT_FAILED", "PAID", "SHIPPED")
 
+
 @dataclass(frozen=True)
 class OrderTables:
     """The three tables of one order-service instance (one ``prefix``)."""

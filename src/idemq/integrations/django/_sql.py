@@ -26,8 +26,9 @@ from sqlalchemy.sql.compiler import Compiled
 
 from idemq._plan import drive
 from idemq.drivers.sql import Plan, Reply, Step, translate_db_error
+from idemq.errors import StoreError
 
-__all__ = ["CursorRunner", "driver_error", "wrap_driver_error"]
+__all__ = ["CursorRunner", "driver_error", "translate_driver_error", "wrap_driver_error"]
 
 T = TypeVar("T")
 
@@ -55,6 +56,13 @@ def wrap_driver_error(error: BaseException, dbapi: Any) -> DBAPIError | None:
         return None
     wrapped = DBAPIError.instance(None, None, orig, dbapi.Error)
     return wrapped if isinstance(wrapped, DBAPIError) else None
+
+
+def translate_driver_error(error: BaseException, dbapi: Any, doing: str) -> StoreError | None:
+    """The idemq error ``error`` (a driver's, or Django's wrapping of one) stands for, made by
+    :func:`idemq.drivers.sql.translate_db_error`; None when it is no database error."""
+    wrapped = wrap_driver_error(error, dbapi)
+    return None if wrapped is None else translate_db_error(wrapped, doing)
 
 
 class CursorRunner:
@@ -97,8 +105,10 @@ class CursorRunner:
         try:
             return self.execute(raw_connection, step)
         except self.dbapi.Error as error:
-            wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
-            raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
+            translated = translate_driver_error(error, self.dbapi, f"{doing} on {self.where}")
+            if translated is None:
+                raise
+            raise translated from error
 
     def execute(self, raw_connection: Any, step: Step) -> Reply:
         """One statement: compiled, expanded, its values converted; every row read back."""

@@ -18,19 +18,17 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import sqlalchemy as sa
 
-from idemq.drivers.sql import (
-    Plan,
-    driver_reports_aborts,
-    transaction_aborted,
-    translate_db_error,
-    translated,
-)
+from idemq.drivers.sql import Plan, driver_reports_aborts, transaction_aborted, translated
 from idemq.errors import ConfigurationError, StoreError, TransactionLostError
-from idemq.integrations.django._sql import CursorRunner, wrap_driver_error
+from idemq.integrations.django._sql import (
+    CursorRunner,
+    translate_driver_error,
+    wrap_driver_error,
+)
 from idemq.integrations.django._urls import database_url
 from idemq.stores.base import (
     DEFAULT_CONSUMER,
@@ -184,10 +182,7 @@ class DjangoStore(SqlStoreBase):
         except Exception as error:
             if error is raised:
                 raise
-            wrapped = wrap_driver_error(error, self._cursor_runner().dbapi)
-            if wrapped is None:
-                raise
-            raise translate_db_error(wrapped, f"commit on {self.where}") from error
+            self._raise_translated(error, "commit")
 
     def _raw(self, tx: Any) -> Any:
         """The DB-API connection under Django's connection ``tx``."""
@@ -227,10 +222,16 @@ class DjangoStore(SqlStoreBase):
         try:
             yield
         except Exception as error:
-            wrapped = wrap_driver_error(error, self._cursor_runner().dbapi)
-            if wrapped is None:
-                raise
-            raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
+            self._raise_translated(error, doing)
+
+    def _raise_translated(self, error: Exception, doing: str) -> NoReturn:
+        """Raise ``error`` as the idemq error it stands for, or as it is if it is none."""
+        store_error = translate_driver_error(
+            error, self._cursor_runner().dbapi, f"{doing} on {self.where}"
+        )
+        if store_error is None:
+            raise error
+        raise store_error from error
 
     def translate_handler_error(self, tx: Any, error: BaseException) -> StoreError | None:
         """The store error a handler's failed ORM statement stands for when the transaction
