@@ -267,7 +267,7 @@ class DjangoStore(SqlStoreBase):
     def confirm_in(
         self, tx: Any, key: Key, owner: str, result: str, *, deferred: bool = False
     ) -> None:
-        """See :meth:`idemq.stores.base.TransactionalStore.confirm_in`; also refuses a
+        """See :meth:`idemq.stores.base.TransactionalGuardStore.confirm_in`; also refuses a
         transaction Django has marked for rollback."""
         self._check_not_doomed(tx, f"{key.message_id!r} ({key.consumer})")
         primitive = self._confirm_plan(
@@ -277,7 +277,7 @@ class DjangoStore(SqlStoreBase):
             self._in_transaction(tx, "confirm", primitive)
 
     def confirm_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> None:
-        """See :meth:`idemq.stores.base.TransactionalStore.confirm_many_in`."""
+        """See :meth:`idemq.stores.base.TransactionalGuardStore.confirm_many_in`."""
         if not requests:
             return
         self._check_not_doomed(tx, f"a batch of {len(requests)}")
@@ -339,7 +339,7 @@ class DjangoStore(SqlStoreBase):
         self.own_store().release(key, owner)
 
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
-        """See :meth:`idemq.stores.base.Store.renew`."""
+        """See :meth:`idemq.stores.base.GuardStore.renew`."""
         return self.own_store().renew(key, owner, lease_until_ms, now_ms)
 
     def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
@@ -361,11 +361,11 @@ class DjangoStore(SqlStoreBase):
         return self.own_store().purge(older_than, batch_size=batch_size, now_ms=now_ms)
 
     def stats(self, *, now_ms: int | None = None) -> StoreStats:
-        """See :meth:`idemq.stores.base.Store.stats`."""
+        """See :meth:`idemq.stores.base.StoreAdmin.stats`."""
         return self.own_store().stats(now_ms=now_ms)
 
     def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
-        """See :meth:`idemq.stores.base.Store.force_release`."""
+        """See :meth:`idemq.stores.base.StoreAdmin.force_release`."""
         return self.own_store().force_release(message_id, consumer)
 
     def forget(
@@ -376,7 +376,7 @@ class DjangoStore(SqlStoreBase):
         force: bool = False,
         now_ms: int | None = None,
     ) -> ForgetResult:
-        """See :meth:`idemq.stores.base.Store.forget`."""
+        """See :meth:`idemq.stores.base.GuardStore.forget`."""
         return self.own_store().forget(message_id, consumer, force=force, now_ms=now_ms)
 
     def close(self) -> None:

@@ -384,7 +384,7 @@ class SqlStore(SqlStoreBase):
     def confirm_in(
         self, tx: Connection, key: Key, owner: str, result: str, *, deferred: bool = False
     ) -> None:
-        """See :meth:`idemq.stores.base.TransactionalStore.confirm_in`."""
+        """See :meth:`idemq.stores.base.TransactionalGuardStore.confirm_in`."""
         primitive = self._confirm_plan(
             self._driver_connection(tx), key, owner, result, deferred=deferred
         )
@@ -392,7 +392,7 @@ class SqlStore(SqlStoreBase):
             self._in_transaction(tx, "confirm", primitive)
 
     def confirm_many_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> None:
-        """See :meth:`idemq.stores.base.TransactionalStore.confirm_many_in`."""
+        """See :meth:`idemq.stores.base.TransactionalGuardStore.confirm_many_in`."""
         if requests and self._must_read_rows(self._driver_connection(tx), requests):
             keys = [r.key for r in requests]
             owners = [r.owner for r in requests]
@@ -458,12 +458,12 @@ class SqlStore(SqlStoreBase):
                 return total
 
     def stats(self, *, now_ms: int | None = None) -> StoreStats:
-        """See :meth:`idemq.stores.base.Store.stats` (one table scan plus a size lookup)."""
+        """See :meth:`idemq.stores.base.StoreAdmin.stats` (one table scan plus a size lookup)."""
         now = system_clock_ms() if now_ms is None else now_ms
         return self._own_transaction("stats", lambda plans: plans.stats(now))
 
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
-        """See :meth:`idemq.stores.base.Store.renew`."""
+        """See :meth:`idemq.stores.base.GuardStore.renew`."""
         return self._own_transaction(
             "renew", lambda plans: plans.renew(key, owner, lease_until_ms, now_ms)
         )
@@ -476,7 +476,7 @@ class SqlStore(SqlStoreBase):
         force: bool = False,
         now_ms: int | None = None,
     ) -> ForgetResult:
-        """See :meth:`idemq.stores.base.Store.forget`."""
+        """See :meth:`idemq.stores.base.GuardStore.forget`."""
         key = Key(consumer, message_id)
         now = system_clock_ms() if now_ms is None else now_ms
         return self._own_transaction(
@@ -484,7 +484,7 @@ class SqlStore(SqlStoreBase):
         )
 
     def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
-        """See :meth:`idemq.stores.base.Store.force_release`."""
+        """See :meth:`idemq.stores.base.StoreAdmin.force_release`."""
         key = Key(consumer, message_id)
         return self._own_transaction("force_release", lambda plans: plans.force_release(key))
 
