@@ -192,3 +192,28 @@ def test_an_in_memory_sqlite_database_works_in_transactional_mode(
     assert payments("memory", order) == 1
     with pytest.raises(idemq.ConfigurationError, match="SQLite database file"):
         store.stats()
+
+
+@pytest.mark.parametrize("alias", ["pg"], indirect=True)  # a session ends itself on PostgreSQL
+def test_a_connection_dropped_under_a_handler_is_an_outage(alias: str, store: DjangoStore):
+    """The server ends the session mid-transaction (as a restart or a failover would): nothing
+    of the message commits, the guard reports an outage (retry later), not the handler's
+    failure, and the message runs once on Django's next connection."""
+    from django.db import connections  # noqa: PLC0415
+
+    guard = idemq.Idempotency(store, consumer=unique("c"))
+    order = unique("o")
+
+    def dropped(tx: Any) -> None:
+        pay(alias, order)
+        with tx.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+    try:
+        with pytest.raises(idemq.StoreUnavailableError):
+            guard.process("m-1", dropped)
+    finally:
+        connections[alias].close()  # Django reconnects on the next query
+    assert payments(alias, order) == 0
+    assert guard.process("m-1", lambda tx: pay(alias, order)).status is idemq.Status.PROCESSED
+    assert payments(alias, order) == 1
