@@ -20,6 +20,7 @@ from idemq.errors import (
     DuplicateKeyError,
     StoreConfigurationError,
     StoreConflictError,
+    StoreError,
     StoreIntegrityError,
     StoreUnavailableError,
 )
@@ -223,3 +224,27 @@ def test_a_password_in_the_url_never_reaches_the_message() -> None:
     with pytest.raises(StoreUnavailableError) as down:  # nobody listens on port 1
         SqlTimestampStore(f"postgresql+psycopg://postgres:{secret}@127.0.0.1:1/test", "k")
     assert secret not in str(down.value)
+
+
+def test_a_statement_the_table_cannot_run_is_named_and_not_an_outage(sql_url: str) -> None:
+    """A lease table of another shape (someone else's table by that name): every server says
+    the column is unknown. The same statement fails the same way on every retry, so it must not
+    pass for an outage (a worker would wait on it forever); the message names the step."""
+    engine = engine_from_url(sql_url)
+    table = unique("nl")
+    other = sa.Table(
+        table,
+        sa.MetaData(),
+        sa.Column("pool", sa.String(64), primary_key=True),
+        sa.Column("node", sa.String(64), primary_key=True),
+    )
+    other.create(engine)
+    try:
+        backend = SqlLeaseBackend(engine, table)  # adopts the table it finds
+        with pytest.raises(StoreError) as wrong:
+            backend.try_acquire(unique("pool"), ["N1"], "me", 60_000)
+        assert not isinstance(wrong.value, StoreUnavailableError | StoreConfigurationError)
+        assert "lease a node of pool" in str(wrong.value)
+    finally:
+        other.drop(engine)
+        engine.dispose()

@@ -175,6 +175,13 @@ _SQLITE_MISSING_TABLE = "no such table"
 _PG_DUPLICATE_SQLSTATE = "23505"
 _MYSQL_DUPLICATE_ERRNO = 1062
 _SQLITE_DUPLICATE_TEXTS = ("UNIQUE constraint failed", "PRIMARY KEY must be unique")
+# Statements the server could not run as written (PostgreSQL says so with ProgrammingError;
+# PyMySQL and sqlite3 raise OperationalError, their class for outages too): an unknown column,
+# a value that does not fit it, a syntax error. Running them again fails the same way.
+_MYSQL_STATEMENT_ERRNOS = frozenset({1054, 1136, 1264, 1265, 1292, 1366, 1406})
+_SQLITE_STATEMENT_TEXT = re.compile(
+    r'no such column|near ".*": syntax error|table \S+ has no column named'
+)
 # A password as drivers and SQLAlchemy may echo it: in a URL (user:secret@host) or a libpq
 # conninfo string (password=secret), e.g. psycopg's "invalid dsn" message.
 _SECRET = re.compile(r"(://[^:/@\s]*:)\S*@|(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
@@ -232,7 +239,11 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
         return StoreConflictError(message)  # SQLite busy timeout ran out
     if _refuses_setup(str(orig), sqlstate, errno):
         return StoreConfigurationError(message)
-    if error.connection_invalidated or isinstance(error, exc.OperationalError | exc.InterfaceError):
+    if error.connection_invalidated:
+        return StoreUnavailableError(message)
+    if errno in _MYSQL_STATEMENT_ERRNOS or _SQLITE_STATEMENT_TEXT.match(first_line):
+        return StoreError(message)  # the statement is wrong for this table: not an outage
+    if isinstance(error, exc.OperationalError | exc.InterfaceError):
         return StoreUnavailableError(message)
     return StoreError(message)
 
