@@ -226,10 +226,11 @@ def test_a_password_in_the_url_never_reaches_the_message() -> None:
     assert secret not in str(down.value)
 
 
-def test_a_statement_the_table_cannot_run_is_named_and_not_an_outage(sql_url: str) -> None:
+def test_a_table_of_another_shape_is_a_setup_error_not_an_outage(sql_url: str) -> None:
     """A lease table of another shape (someone else's table by that name): every server says
-    the column is unknown. The same statement fails the same way on every retry, so it must not
-    pass for an outage (a worker would wait on it forever); the message names the step."""
+    the column is unknown. The same statement fails the same way on every retry: a setup error
+    (as a missing table is), never an outage a worker would wait on as if the server were down;
+    the message names the step."""
     engine = engine_from_url(sql_url)
     table = unique("nl")
     other = sa.Table(
@@ -241,10 +242,24 @@ def test_a_statement_the_table_cannot_run_is_named_and_not_an_outage(sql_url: st
     other.create(engine)
     try:
         backend = SqlLeaseBackend(engine, table)  # adopts the table it finds
-        with pytest.raises(StoreError) as wrong:
+        with pytest.raises(StoreConfigurationError, match="lease a node of pool"):
             backend.try_acquire(unique("pool"), ["N1"], "me", 60_000)
-        assert not isinstance(wrong.value, StoreUnavailableError | StoreConfigurationError)
-        assert "lease a node of pool" in str(wrong.value)
     finally:
         other.drop(engine)
+        engine.dispose()
+
+
+def test_a_statement_that_cannot_run_as_written_is_named_and_not_an_outage(
+    sql_url: str,
+) -> None:
+    engine = engine_from_url(sql_url)
+    try:
+        with (
+            pytest.raises(StoreError, match="a broken statement") as broken,
+            translated("a broken statement"),
+            engine.connect() as conn,
+        ):
+            conn.exec_driver_sql("SELEC 1")
+        assert not isinstance(broken.value, StoreUnavailableError | StoreConfigurationError)
+    finally:
         engine.dispose()

@@ -146,9 +146,10 @@ async def arun(conn: AsyncConnection | AsyncSession, plan: Plan[T], doing: str) 
 _PG_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})  # serialization, deadlock, lock
 _MYSQL_RETRYABLE_ERRNOS = frozenset({1205, 1213})  # lock wait timeout, deadlock
 # The server answered and refused this setup: retrying the same settings cannot help.
-_PG_REFUSING_SQLSTATES = frozenset({"28000", "28P01", "3D000", "42P01"})  # login, db, table
+# login, db, table, a column the table lacks (a table of another shape by that name)
+_PG_REFUSING_SQLSTATES = frozenset({"28000", "28P01", "3D000", "42P01", "42703"})
 # access denied (db, user, auth plugin), unknown database, no such table
-_MYSQL_REFUSING_ERRNOS = frozenset({1044, 1045, 1698, 1049, 1146})
+_MYSQL_REFUSING_ERRNOS = frozenset({1044, 1045, 1698, 1049, 1146, 1054})
 # libpq reports a refused connection without a SQLSTATE: only the server's FATAL text tells a
 # refusal (these, in the server's default English) from an outage. Anything not matched stays an
 # outage, the safe side: "too many clients" or "starting up" pass once the server recovers.
@@ -169,19 +170,17 @@ _TLS_REFUSING_TEXTS = (
     "server does not support SSL, but SSL was required",
 )
 _PG_MISSING_TEXT = re.compile(r'FATAL: +(role|database) "[^"]*" does not exist')
-_SQLITE_MISSING_TABLE = "no such table"
+_SQLITE_MISSING = re.compile(r"no such table|no such column|table \S+ has no column named")
 # A unique or primary key already holds the inserted value: PostgreSQL's unique_violation,
 # MariaDB/MySQL's ER_DUP_ENTRY, SQLite's constraint message.
 _PG_DUPLICATE_SQLSTATE = "23505"
 _MYSQL_DUPLICATE_ERRNO = 1062
 _SQLITE_DUPLICATE_TEXTS = ("UNIQUE constraint failed", "PRIMARY KEY must be unique")
-# Statements the server could not run as written (PostgreSQL says so with ProgrammingError;
-# PyMySQL and sqlite3 raise OperationalError, their class for outages too): an unknown column,
-# a value that does not fit it, a syntax error. Running them again fails the same way.
-_MYSQL_STATEMENT_ERRNOS = frozenset({1054, 1136, 1264, 1265, 1292, 1366, 1406})
-_SQLITE_STATEMENT_TEXT = re.compile(
-    r'no such column|near ".*": syntax error|table \S+ has no column named'
-)
+# Statements the server could not run as written (PostgreSQL says so with ProgrammingError or
+# DataError; PyMySQL and sqlite3 raise OperationalError, their class for outages too): a value
+# that does not fit its column, a syntax error. Running them again fails the same way.
+_MYSQL_STATEMENT_ERRNOS = frozenset({1264, 1265, 1292, 1366, 1406})
+_SQLITE_STATEMENT_TEXT = re.compile(r'near ".*": syntax error')
 # A password as drivers and SQLAlchemy may echo it: in a URL (user:secret@host) or a libpq
 # conninfo string (password=secret), e.g. psycopg's "invalid dsn" message.
 _SECRET = re.compile(r"(://[^:/@\s]*:)\S*@|(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
@@ -202,8 +201,8 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
       run the message again: nothing was committed);
     * lost connection, timeouts, other operational failures, the pool's timeout, a closed or
       invalidated connection, a socket error → :class:`StoreUnavailableError`;
-    * a refused login, an unknown database, a missing table, a server certificate the given CA
-      did not sign → :class:`StoreConfigurationError`
+    * a refused login, an unknown database, a missing table or column (a table of another
+      shape), a server certificate the given CA did not sign → :class:`StoreConfigurationError`
       (the same settings fail the same way: the CLI exits 2, not 4);
     * a key already taken → :class:`DuplicateKeyError`; another constraint violation →
       :class:`StoreIntegrityError`;
@@ -242,7 +241,7 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
     if error.connection_invalidated:
         return StoreUnavailableError(message)
     if errno in _MYSQL_STATEMENT_ERRNOS or _SQLITE_STATEMENT_TEXT.match(first_line):
-        return StoreError(message)  # the statement is wrong for this table: not an outage
+        return StoreError(message)  # the statement cannot run as written: not an outage
     if isinstance(error, exc.OperationalError | exc.InterfaceError):
         return StoreUnavailableError(message)
     return StoreError(message)
@@ -258,7 +257,7 @@ def _refuses_setup(text: str, sqlstate: object, errno: object) -> bool:
     the server's certificate (see the constants)."""
     if sqlstate in _PG_REFUSING_SQLSTATES or errno in _MYSQL_REFUSING_ERRNOS:
         return True
-    if text.startswith(_SQLITE_MISSING_TABLE):
+    if _SQLITE_MISSING.match(text):
         return True
     if any(part in text for part in _TLS_REFUSING_TEXTS):
         return True
