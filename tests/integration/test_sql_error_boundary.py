@@ -16,14 +16,7 @@ import sqlalchemy as sa
 import idemq
 from idemq.brokers import open_broker
 from idemq.drivers.sql import engine_from_url, translated
-from idemq.errors import (
-    DuplicateKeyError,
-    StoreConfigurationError,
-    StoreConflictError,
-    StoreError,
-    StoreIntegrityError,
-    StoreUnavailableError,
-)
+from idemq.errors import DuplicateKeyError, StoreIntegrityError
 from idemq.ids.node_lease_backends import SqlLeaseBackend
 from idemq.ids.timestamp_store import SqlTimestampStore
 from idemq.outbox import outbox_stats
@@ -70,11 +63,11 @@ def test_an_outbox_add_on_a_dropped_connection_is_an_outage_every_time(
         conn.begin()
         outbox.add(conn, "orders", b"first")  # the transaction is under way
         assert _terminate(name) >= 1
-        with pytest.raises(StoreUnavailableError):
+        with pytest.raises(idemq.StoreUnavailableError):
             outbox.add(conn, "orders", b"second")
         # SQLAlchemy now refuses the invalidated connection with an error of its own, not a
         # driver's: it must still come out as the outage it is.
-        with pytest.raises(StoreUnavailableError):
+        with pytest.raises(idemq.StoreUnavailableError):
             outbox.add(conn, "orders", b"third")
     with outbox.engine.begin() as conn:  # a fresh connection: the pool dropped the dead ones
         outbox.add(conn, "orders", b"after")
@@ -96,7 +89,7 @@ def test_a_relay_whose_connection_drops_reports_an_outage_then_publishes(
         with outbox.engine.begin() as conn:
             second = outbox.add(conn, "orders", b"2")
         assert _terminate(name) >= 1
-        with pytest.raises(StoreUnavailableError):
+        with pytest.raises(idemq.StoreUnavailableError):
             relay.run_once()
         relay.run_once()  # on a fresh connection
         got = receive(consumer, "orders", 2, timeout_s=30)
@@ -143,7 +136,7 @@ def test_a_node_lease_deadlock_on_mariadb_is_a_conflict_not_an_outage() -> None:
         conflicts = [r for r in results if isinstance(r, Exception)]
         assert results.count("N1") == 1, results
         assert len(conflicts) == 1, results
-        assert isinstance(conflicts[0], StoreConflictError), repr(conflicts[0])
+        assert isinstance(conflicts[0], idemq.StoreConflictError), repr(conflicts[0])
         assert "1213" in str(conflicts[0]) or "Deadlock" in str(conflicts[0])
         with engine.connect() as conn:
             owners = conn.execute(sa.select(backend.table.c.owner)).scalars().all()
@@ -215,13 +208,13 @@ def test_a_password_in_the_url_never_reaches_the_message() -> None:
     url = f"postgresql+psycopg://postgres:{secret}@127.0.0.1:5432/no_such_db_{unique('d')}"
     store = idemq.SqlStore(url)
     try:
-        with pytest.raises(StoreConfigurationError) as refused:
+        with pytest.raises(idemq.StoreConfigurationError) as refused:
             store.create_schema()
     finally:
         store.close()
     assert "does not exist" in str(refused.value)
     assert secret not in str(refused.value)
-    with pytest.raises(StoreUnavailableError) as down:  # nobody listens on port 1
+    with pytest.raises(idemq.StoreUnavailableError) as down:  # nobody listens on port 1
         SqlTimestampStore(f"postgresql+psycopg://postgres:{secret}@127.0.0.1:1/test", "k")
     assert secret not in str(down.value)
 
@@ -242,7 +235,7 @@ def test_a_table_of_another_shape_is_a_setup_error_not_an_outage(sql_url: str) -
     other.create(engine)
     try:
         backend = SqlLeaseBackend(engine, table)  # adopts the table it finds
-        with pytest.raises(StoreConfigurationError, match="lease a node of pool"):
+        with pytest.raises(idemq.StoreConfigurationError, match="lease a node of pool"):
             backend.try_acquire(unique("pool"), ["N1"], "me", 60_000)
     finally:
         other.drop(engine)
@@ -255,11 +248,13 @@ def test_a_statement_that_cannot_run_as_written_is_named_and_not_an_outage(
     engine = engine_from_url(sql_url)
     try:
         with (
-            pytest.raises(StoreError, match="a broken statement") as broken,
+            pytest.raises(idemq.StoreError, match="a broken statement") as broken,
             translated("a broken statement"),
             engine.connect() as conn,
         ):
             conn.exec_driver_sql("SELEC 1")
-        assert not isinstance(broken.value, StoreUnavailableError | StoreConfigurationError)
+        assert not isinstance(
+            broken.value, idemq.StoreUnavailableError | idemq.StoreConfigurationError
+        )
     finally:
         engine.dispose()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
 import sqlalchemy as sa
@@ -31,24 +30,20 @@ from idemq.integrations.django._sql import (
 )
 from idemq.integrations.django._urls import database_url
 from idemq.stores.base import (
-    DEFAULT_CONSUMER,
     Claim,
     ClaimRequest,
-    ForgetResult,
     Key,
-    Record,
-    StoreStats,
 )
 from idemq.stores.sql.plans import SqlPlans
 from idemq.stores.sql.schema import DEFAULT_TABLE
-from idemq.stores.sql.store import SqlStore, SqlStoreBase
+from idemq.stores.sql.store import Primitive, SqlStore, SqlStoreAdmin
 
 __all__ = ["DjangoStore"]
 
 T = TypeVar("T")
 
 
-class DjangoStore(SqlStoreBase):
+class DjangoStore(SqlStoreAdmin):
     """The dedup table on the Django database ``using`` (an alias of ``DATABASES``).
 
     ``Idempotency(DjangoStore(), consumer=…)`` runs each handler inside
@@ -116,6 +111,11 @@ class DjangoStore(SqlStoreBase):
                     **self._engine_kwargs,
                 )
             return self._own
+
+    def _own_transaction(self, doing: str, primitive: Primitive[T]) -> T:
+        """On idemq's own connection: :meth:`own_store`'s short transaction (the operator's
+        tools of :class:`~idemq.stores.sql.store.SqlStoreAdmin` run here)."""
+        return self.own_store()._own_transaction(doing, primitive)
 
     def _cursor_runner(self) -> CursorRunner:
         if self._runner is None:
@@ -341,43 +341,6 @@ class DjangoStore(SqlStoreBase):
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
         """See :meth:`idemq.stores.base.GuardStore.renew`."""
         return self.own_store().renew(key, owner, lease_until_ms, now_ms)
-
-    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
-        """The record of ``message_id`` for ``consumer``, or None."""
-        return self.own_store().get(message_id, consumer)
-
-    def find(self, message_id: str) -> list[Record]:
-        """Every consumer's record of ``message_id``."""
-        return self.own_store().find(message_id)
-
-    def in_progress(self, *, limit: int = 100) -> list[Record]:
-        """PROCESSING records, oldest first."""
-        return self.own_store().in_progress(limit=limit)
-
-    def purge(
-        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
-    ) -> int:
-        """Delete PROCESSED records older than ``older_than`` in bounded batches."""
-        return self.own_store().purge(older_than, batch_size=batch_size, now_ms=now_ms)
-
-    def stats(self, *, now_ms: int | None = None) -> StoreStats:
-        """See :meth:`idemq.stores.base.StoreAdmin.stats`."""
-        return self.own_store().stats(now_ms=now_ms)
-
-    def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
-        """See :meth:`idemq.stores.base.StoreAdmin.force_release`."""
-        return self.own_store().force_release(message_id, consumer)
-
-    def forget(
-        self,
-        message_id: str,
-        consumer: str = DEFAULT_CONSUMER,
-        *,
-        force: bool = False,
-        now_ms: int | None = None,
-    ) -> ForgetResult:
-        """See :meth:`idemq.stores.base.GuardStore.forget`."""
-        return self.own_store().forget(message_id, consumer, force=force, now_ms=now_ms)
 
     def close(self) -> None:
         """Close idemq's own connections (Django's stay Django's)."""
