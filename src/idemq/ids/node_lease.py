@@ -233,7 +233,9 @@ def lease_node(
     SQLAlchemy URL; SQL creates ``sql_table`` if missing). ``nodes`` are candidate ids: ints are
     formatted with ``node_format`` (``N001``…), strings used as is. Raises
     :class:`~idemq.ConfigurationError` when every node of the pool is held by a live process,
-    :class:`~idemq.StoreUnavailableError` when the store cannot be reached. ``on_lost`` is
+    :class:`~idemq.StoreUnavailableError` when the store cannot be reached,
+    :class:`~idemq.StoreConflictError` when the database rolled this lease back for a
+    deadlock with a process leasing the same node (call again). ``on_lost`` is
     called once if the lease is lost; ``close()`` frees the node ``release_hold_s`` later.
     ``monotonic`` (seconds) times the local validity deadline; inject it to test expiry.
 
