@@ -75,6 +75,32 @@ def test_an_outbox_add_on_a_dropped_connection_is_an_outage_every_time(
     assert outbox_stats(outbox).pending == 1
 
 
+async def test_an_async_outbox_add_on_a_dropped_connection_is_an_outage_every_time() -> None:
+    require_service("postgres")
+    name = unique("sqlhouse")
+    store = idemq.AsyncSqlStore(PG_URL, connect_args={"application_name": name})
+    outbox = idemq.AsyncOutbox(store, table=unique("ob"))
+    await outbox.create_schema()
+    # The same table seen through the sync outbox: what committed, and the teardown.
+    seen = idemq.Outbox(idemq.SqlStore(PG_URL), table=outbox.table)
+    try:
+        async with store.engine.connect() as conn:
+            await conn.begin()
+            await outbox.add(conn, "orders", b"first")
+            assert _terminate(name) >= 1
+            with pytest.raises(idemq.StoreUnavailableError):
+                await outbox.add(conn, "orders", b"second")
+            with pytest.raises(idemq.StoreUnavailableError):
+                await outbox.add(conn, "orders", b"third")
+        async with store.engine.begin() as conn:
+            await outbox.add(conn, "orders", b"after")
+        assert outbox_stats(seen).pending == 1
+    finally:
+        seen.drop_schema()
+        seen.store.close()
+        await store.close()
+
+
 def test_a_relay_whose_connection_drops_reports_an_outage_then_publishes(
     pg_outbox: tuple[idemq.Outbox, str], tmp_path: Path
 ) -> None:
