@@ -284,3 +284,59 @@ def test_a_statement_that_cannot_run_as_written_is_named_and_not_an_outage(
         )
     finally:
         engine.dispose()
+
+
+def test_a_business_transition_that_deadlocks_on_mariadb_is_a_conflict() -> None:
+    """Two transactions move two orders in opposite order: InnoDB rolls one back (1213). The
+    StateMachine's caller hears a StoreConflictError (run the message again), and the other
+    transaction's transitions commit."""
+    require_service("mysql")
+    engine = engine_from_url(MYSQL_URL, pool_size=4)
+    orders = sa.Table(
+        unique("orders"),
+        sa.MetaData(),
+        sa.Column("order_id", sa.String(16), primary_key=True),
+        sa.Column("status", sa.String(32), nullable=False),
+        sa.Column("fence_token", sa.BigInteger),
+    )
+    orders.create(engine)
+    machine = idemq.StateMachine(
+        orders.name,
+        "order_id",
+        "status",
+        states=["NEW", "PAID"],
+        transitions={"pay": ("NEW", "PAID")},
+    )
+    with engine.begin() as conn:
+        conn.execute(sa.insert(orders), [{"order_id": o, "status": "NEW"} for o in ("a", "b")])
+    first_done = threading.Barrier(2, timeout=20)
+    outcomes: dict[str, object] = {}
+
+    def pay_both(name: str, first: str, second: str) -> None:
+        try:
+            with engine.begin() as conn:
+                machine.apply(conn, first, "pay")
+                first_done.wait()
+                machine.apply(conn, second, "pay")
+            outcomes[name] = "committed"
+        except Exception as exc:  # the class is what the test looks at
+            outcomes[name] = exc
+
+    try:
+        threads = [
+            threading.Thread(target=pay_both, args=("ab", "a", "b")),
+            threading.Thread(target=pay_both, args=("ba", "b", "a")),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        failed = [o for o in outcomes.values() if o != "committed"]
+        assert len(failed) == 1, outcomes
+        assert isinstance(failed[0], idemq.StoreConflictError), repr(failed[0])
+        with engine.connect() as conn:
+            statuses = conn.execute(sa.select(orders.c.status)).scalars().all()
+        assert statuses == ["PAID", "PAID"]  # the winner's two transitions, nothing of the loser's
+    finally:
+        orders.drop(engine)
+        engine.dispose()
