@@ -300,13 +300,8 @@ def test_a_business_transition_that_deadlocks_on_mariadb_is_a_conflict() -> None
         sa.Column("fence_token", sa.BigInteger),
     )
     orders.create(engine)
-    machine = idemq.StateMachine(
-        orders.name,
-        "order_id",
-        "status",
-        states=["NEW", "PAID"],
-        transitions={"pay": ("NEW", "PAID")},
-    )
+    pay = {"pay": ("NEW", "PAID")}
+    machine = idemq.StateMachine(orders.name, "order_id", "status", ["NEW", "PAID"], pay)
     with engine.begin() as conn:
         conn.execute(sa.insert(orders), [{"order_id": o, "status": "NEW"} for o in ("a", "b")])
     first_done = threading.Barrier(2, timeout=20)
