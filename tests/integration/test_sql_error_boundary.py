@@ -174,18 +174,20 @@ def test_a_node_lease_deadlock_on_mariadb_is_a_conflict_not_an_outage() -> None:
 
 
 def _wait_for_lock_waiters(count: int, table: str, timeout_s: float = 20) -> None:
-    """Until ``count`` sessions wait on a row lock of ``table`` (InnoDB's own view)."""
+    """Until ``count`` sessions have been running their INSERT into ``table`` for 300 ms: with
+    the holder's row there uncommitted, an INSERT that lasts is one waiting on its lock. (The
+    server's process list, not InnoDB's lock views: those come from a cache that stays empty at
+    times while other sessions create tables.)"""
     watcher = sa.create_engine(MYSQL_URL)
     query = sa.text(
-        "SELECT COUNT(*) FROM information_schema.INNODB_LOCK_WAITS w "
-        "JOIN information_schema.INNODB_LOCKS l ON l.lock_id = w.requested_lock_id "
-        "WHERE l.lock_table LIKE :table"
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+        "WHERE INFO LIKE :insert AND TIME_MS >= 300"
     )
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with watcher.connect() as conn:
-                if conn.execute(query, {"table": f"%{table}%"}).scalar_one() >= count:
+                if conn.execute(query, {"insert": f"INSERT INTO {table} %"}).scalar_one() >= count:
                     return
             time.sleep(0.05)
         pytest.fail(f"{count} lease takers never waited on the row lock")
