@@ -34,6 +34,28 @@ def finish(plan: Generator[Any, Any, Any], reply: Any) -> Any:
 KEYS = LockKeys.build("lock", "orders")
 
 
+def acquiring(
+    *,
+    blocking: bool = True,
+    timeout_s: float | None = None,
+    poll_s: float = 0.01,
+    max_poll_s: float = 1.0,
+    clock: Clock | None = None,
+) -> Generator[Any, Any, int | None]:
+    """An acquire of KEYS by owner "tok" for 5 s, with a seeded jitter."""
+    return acquire(
+        KEYS,
+        "tok",
+        5000,
+        blocking=blocking,
+        timeout_s=timeout_s,
+        poll_s=poll_s,
+        max_poll_s=max_poll_s,
+        rng=random.Random(3),
+        monotonic=clock or Clock(),
+    )
+
+
 def test_the_lock_and_its_fence_counter_share_one_hash_tag():
     keys = LockKeys.build("app", "order}42")
     # A raw "}" would close the tag early and send the two keys to different Cluster slots.
@@ -51,50 +73,20 @@ def test_an_empty_name_or_a_prefix_with_braces_is_refused(prefix: str, name: obj
 
 
 def test_acquire_returns_the_fencing_token_from_the_first_script_run():
-    plan = acquire(
-        KEYS,
-        "tok",
-        5000,
-        blocking=True,
-        timeout_s=None,
-        poll_s=0.01,
-        max_poll_s=1.0,
-        rng=random.Random(1),
-        monotonic=Clock(),
-    )
+    plan = acquiring()
     step = next(plan)
     assert step == RunScript(ACQUIRE, KEYS.both, ("tok", 5000))
     assert finish(plan, 17) == 17
 
 
 def test_a_non_blocking_acquire_tries_once_and_never_waits():
-    plan = acquire(
-        KEYS,
-        "tok",
-        5000,
-        blocking=False,
-        timeout_s=None,
-        poll_s=0.01,
-        max_poll_s=1.0,
-        rng=random.Random(1),
-        monotonic=Clock(),
-    )
+    plan = acquiring(blocking=False)
     next(plan)
     assert finish(plan, 0) is None  # someone else holds it
 
 
 def test_polling_backs_off_exponentially_with_jitter_up_to_the_cap():
-    plan = acquire(
-        KEYS,
-        "tok",
-        5000,
-        blocking=True,
-        timeout_s=None,
-        poll_s=0.1,
-        max_poll_s=0.8,
-        rng=random.Random(3),
-        monotonic=Clock(),
-    )
+    plan = acquiring(poll_s=0.1, max_poll_s=0.8)
     next(plan)
     delays = []
     for _ in range(7):
@@ -111,17 +103,7 @@ def test_polling_backs_off_exponentially_with_jitter_up_to_the_cap():
 
 def test_a_timed_acquire_never_waits_past_its_deadline_and_then_gives_up():
     clock = Clock()
-    plan = acquire(
-        KEYS,
-        "tok",
-        5000,
-        blocking=True,
-        timeout_s=1.0,
-        poll_s=0.4,
-        max_poll_s=10.0,
-        rng=random.Random(5),
-        monotonic=clock,
-    )
+    plan = acquiring(timeout_s=1.0, poll_s=0.4, max_poll_s=10.0, clock=clock)
     next(plan)
     deadline = clock.now_s + 1.0
     step = plan.send(0)
