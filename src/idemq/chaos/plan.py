@@ -1,6 +1,6 @@
 """A chaos run's configuration: what the caller asked for (:class:`ChaosConfig`) and what follows
 from it before anything runs (:class:`RunPlan`: names, paths, the broker's capabilities, the
-worker processes, the refusals and the notes).
+refusals and the notes).
 
 Every name a run creates carries one random run id, so runs on shared servers never meet and
 the cleanup removes exactly what this run made.
@@ -12,17 +12,16 @@ import contextlib
 import tempfile
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from idemq.brokers.base import mask_url
 from idemq.chaos import faults, rabbitmq_timeout
-from idemq.chaos.faults import Capabilities, capabilities, slow_s, worker_url
+from idemq.chaos.faults import Capabilities, capabilities
 from idemq.chaos.host_cut import HostCut, check_urls
 from idemq.chaos.hosts import MAX_HOSTS
 from idemq.chaos.orders import OrderTables
 from idemq.chaos.result import ChaosResult
-from idemq.chaos.worker import WorkerSpec
 from idemq.errors import ConfigurationError
 from idemq.outbox.outbox import Outbox
 
@@ -201,32 +200,3 @@ class RunPlan:
             yield Outbox(store, table=self.outbox_table)
         finally:
             store.close()
-
-    def specs(self) -> list[WorkerSpec]:
-        """One spec per process: the pay workers, then (two hops) ship workers and relays."""
-        pay = self._spec()
-        if not self.ship_queue:
-            return [pay] * self.config.workers
-        pay = replace(pay, ship_queue=self.ship_queue, outbox_table=self.outbox_table)
-        ship = replace(pay, role="ship", queue=self.ship_queue, consumer=f"{self.prefix}shipments")
-        relay = replace(pay, role="relay", slow_rate=0.0)
-        c = self.config
-        return [pay] * c.workers + [ship] * self.ship_workers + [relay] * c.relays
-
-    def _spec(self) -> WorkerSpec:
-        c = self.config
-        return WorkerSpec(
-            broker_url=worker_url(c.broker_url),
-            queue=self.queue,
-            store_url=c.store_url,
-            ledger_url=self.ledger_url,
-            prefix=self.prefix,
-            consumer=f"{self.prefix}orders",
-            events_dir=str(self.events_dir),
-            guard=c.guard,
-            slow_rate=c.slow_rate if self.caps.slow else 0.0,
-            slow_s=slow_s(c.broker_url, self.caps),
-            slow_before_claim=self.ledger_url.startswith("sqlite"),
-            lease_s=c.lease_s,
-            seed=c.seed,
-        )

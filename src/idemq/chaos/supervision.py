@@ -10,17 +10,18 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sqlalchemy as sa
 
 from idemq.chaos.events import Tally
-from idemq.chaos.faults import redelivery_s, worker_url
+from idemq.chaos.faults import redelivery_s, slow_s, worker_url
 from idemq.chaos.host_cut import HostCut
 from idemq.chaos.plan import RunPlan
 from idemq.chaos.production import Production
 from idemq.chaos.result import Progress
 from idemq.chaos.supervisor import Supervisor
+from idemq.chaos.worker import WorkerSpec
 
 __all__ = ["Observed", "supervise"]
 
@@ -58,7 +59,7 @@ def supervise(
             tally.kill(pid, at_s)
 
     supervisor = Supervisor(
-        plan.specs(),
+        _specs(plan),
         c.kill_every_s,
         on_death,
         rng=random.Random(c.seed + 1),
@@ -121,6 +122,32 @@ def supervise(
         seconds=time.monotonic() - started_s,
         timed_out=timed_out,
     )
+
+
+def _specs(plan: RunPlan) -> list[WorkerSpec]:
+    """One spec per process: the pay workers, then (two hops) ship workers and relays."""
+    c = plan.config
+    pay = WorkerSpec(
+        broker_url=worker_url(c.broker_url),
+        queue=plan.queue,
+        store_url=c.store_url,
+        ledger_url=plan.ledger_url,
+        prefix=plan.prefix,
+        consumer=f"{plan.prefix}orders",
+        events_dir=str(plan.events_dir),
+        guard=c.guard,
+        slow_rate=c.slow_rate if plan.caps.slow else 0.0,
+        slow_s=slow_s(c.broker_url, plan.caps),
+        slow_before_claim=plan.ledger_url.startswith("sqlite"),
+        lease_s=c.lease_s,
+        seed=c.seed,
+    )
+    if not plan.ship_queue:
+        return [pay] * c.workers
+    pay = replace(pay, ship_queue=plan.ship_queue, outbox_table=plan.outbox_table)
+    ship = replace(pay, role="ship", queue=plan.ship_queue, consumer=f"{plan.prefix}shipments")
+    relay = replace(pay, role="relay", slow_rate=0.0)
+    return [pay] * c.workers + [ship] * plan.ship_workers + [relay] * c.relays
 
 
 def _distinct(reader: sa.Engine, column: sa.Column[str]) -> int:
