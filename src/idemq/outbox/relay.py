@@ -51,6 +51,7 @@ from typing import Any
 from sqlalchemy import Connection, Row
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from idemq._backoff import Backoff
 from idemq._clock import system_clock_ms
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
@@ -125,8 +126,8 @@ class OutboxRelay:
         self._broker: Broker | None = None if isinstance(broker, str) else broker
         self.batch_size = max(1, batch_size)
         self.max_attempts = max(1, max_attempts)
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        # A refused row waits backoff_s, doubling with each further refusal.
+        self.backoff = Backoff(backoff_s, max_backoff_s)
         self.keep_sent_s = keep_sent_s
         self.poll_s = poll_s
         self.lease_s = lease_s
@@ -244,7 +245,7 @@ class OutboxRelay:
                 conn.execute(sql.delete_sent, {"ids": result.published})
         for row_id in result.retried:
             attempts, reason = result.refused[row_id]
-            delay_s = min(self.backoff_s * 2**attempts, self.max_backoff_s)
+            delay_s = self.backoff.delay_s(attempts + 1)
             params = {"id": row_id, "counted": 1, "error": reason, **mine}
             conn.execute(sql.fail, {**params, "next_ms": now + int(delay_s * 1000)})
         for row_id in result.dead:
