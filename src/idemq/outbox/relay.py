@@ -53,6 +53,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from idemq._backoff import Backoff
 from idemq._clock import system_clock_ms
+from idemq._outage import Outage
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.drivers.sql import translate_db_error
@@ -261,17 +262,20 @@ class OutboxRelay:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event | None = None) -> None:
+    def run(self, stop: threading.Event | None = None, outage: Outage | None = None) -> None:
         """Relay until ``stop`` is set: full batches back to back, then wait for a NOTIFY
-        (PostgreSQL) or ``poll_s``; an outage of the broker or the store is waited out. A
+        (PostgreSQL) or ``poll_s``. An outage of the broker or the store is waited out as
+        ``outage`` says (default: never give up; ``idemq worker --relay`` passes the worker's
+        own give-up time): when it gives up, its error is raised. A
         :class:`~idemq.ConfigurationError` (a store that refuses the login, say) before the
-        first batch is raised instead."""
+        first batch is raised at once."""
         stop = stop or threading.Event()
+        outage = outage or Outage(None, stop)
         waiter = _waiter_for(self.outbox)
-        outage_s = 0.0
         started = False
         try:
             while not stop.is_set():
+                outage.attempting()
                 try:
                     result = self.run_once()
                     self.cleanup_if_due()
@@ -281,16 +285,15 @@ class OutboxRelay:
                         # batch: the same settings fail the same way, no wait helps (the CLI
                         # exits 2). Once running, it is waited out like an outage.
                         raise
-                    result = BatchResult(outage=_as_outage(exc))
+                    failure: StoreError | BrokerError | None = exc
                 else:
                     started = True
-                if result.outage is not None:
-                    outage_s = min(max(outage_s * 2, 0.1), 5.0)
-                    log.warning("relay waiting %.1fs: %s", outage_s, result.outage)
+                    failure = result.outage
+                if failure is not None:
                     self._drop_broker()
-                    stop.wait(outage_s)
+                    outage.failed(failure, f"relaying {self.outbox.where}")
                     continue
-                outage_s = 0.0
+                outage.over()
                 if result.claimed < self.batch_size:
                     waiter.wait(self.poll_s, stop)
         finally:
@@ -348,14 +351,6 @@ class OutboxRelay:
             except Exception:  # a dead connection may fail to close; drop it
                 log.debug("closing the broker failed", exc_info=True)
             self._broker = None
-
-
-def _as_outage(exc: Exception) -> BrokerUnavailableError:
-    if isinstance(exc, BrokerUnavailableError):
-        return exc
-    outage = BrokerUnavailableError(f"{type(exc).__name__}: {exc}")
-    outage.__cause__ = exc
-    return outage
 
 
 class _Waiter:
