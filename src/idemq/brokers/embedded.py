@@ -23,12 +23,12 @@ import json
 import logging
 import sqlite3
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from idemq._clock import Clock, system_clock_ms
 from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
@@ -50,10 +50,6 @@ CREATE INDEX IF NOT EXISTS idemq_queue_ready ON idemq_queue (queue, visible_at_m
 """
 
 
-def _system_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 class EmbeddedBroker:
     """SQLite-file queue with visibility timeout, attempts counter and a dead-letter queue."""
 
@@ -63,7 +59,7 @@ class EmbeddedBroker:
         *,
         visibility_timeout_s: float = 30.0,
         poll_interval_s: float = 0.05,
-        clock_ms: Callable[[], int] = _system_clock_ms,
+        clock_ms: Clock = system_clock_ms,
     ) -> None:
         self.path = Path(path)
         self.visibility_timeout_ms = int(visibility_timeout_s * 1000)

@@ -30,9 +30,8 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -40,6 +39,7 @@ import confluent_kafka
 import confluent_kafka.admin
 from confluent_kafka.admin import AdminClient
 
+from idemq._clock import Clock, system_clock_ms
 from idemq.brokers.base import (
     Delivery,
     Received,
@@ -56,10 +56,6 @@ log = logging.getLogger("idemq.brokers")
 client_log = logging.getLogger("idemq.brokers.librdkafka")
 
 NewTopic: Any = confluent_kafka.admin.NewTopic  # type: ignore[attr-defined]  # not in stubs
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class _Offsets:
@@ -137,7 +133,7 @@ class KafkaBroker:
         session_timeout_ms: int = 10_000,
         max_poll_interval_ms: int | None = None,
         client_id: str | None = None,
-        clock_ms: Callable[[], int] = _now_ms,
+        clock_ms: Clock = system_clock_ms,
         declare: str = "auto",
         dead_letter: str | None = None,
         connect_timeout_s: float | None = None,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import heapq
 import queue as queue_module
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from urllib.parse import parse_qs, urlsplit
 
@@ -30,6 +29,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from idemq._clock import Clock, system_clock_ms
 from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
@@ -42,10 +42,6 @@ def _properties(packet_type: int) -> Properties:
     return Properties(packet_type)  # type: ignore[no-untyped-call]  # paho leaves it untyped
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 class MqttBroker:
     """A publishing client, plus one persistent-session consuming client per consumed topic."""
 
@@ -56,7 +52,7 @@ class MqttBroker:
         *,
         client_id: str | None = None,
         timeout_s: float = 10.0,
-        clock_ms: Callable[[], int] = _now_ms,
+        clock_ms: Clock = system_clock_ms,
     ) -> None:
         self.host = host
         self.port = port

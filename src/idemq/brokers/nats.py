@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -47,6 +46,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
 
+from idemq._clock import Clock, system_clock_ms
 from idemq.brokers._aioloop import AckQueue, LoopThread
 from idemq.brokers.base import (
     ATTEMPT_HEADER,
@@ -87,7 +87,9 @@ class NatsBroker:
         declare: str = "auto",
         dead_letter: str | None = None,
         connect_timeout_s: float | None = None,
+        clock_ms: Clock = system_clock_ms,
     ) -> None:
+        self.clock_ms = clock_ms
         self.url = url
         self.declare_mode = check_declare_mode(declare)
         self.dead_letter = dead_letter
@@ -303,7 +305,7 @@ class NatsBroker:
                 for message in messages:
                     backlog.left -= 1
                     delivery = self._delivery(queue, message, backlog)
-                    early_s = (delivery.not_before_ms - time.time_ns() // 1_000_000) / 1000
+                    early_s = (delivery.not_before_ms - self.clock_ms()) / 1000
                     if early_s > 0:
                         delivery.retry(early_s)  # a copy not yet due: no handler run, no attempt
                         continue
@@ -374,7 +376,7 @@ class NatsDelivery(Delivery):
             return self._broker.settle_soon(
                 lambda: self._message.nak(delay=delay_s or None), hold=self._backlog.left > 0
             )
-        not_before_ms = time.time_ns() // 1_000_000 + int(delay_s * 1000)
+        not_before_ms = self._broker.clock_ms() + int(delay_s * 1000)
         headers = self.retry_headers(counted=True, not_before_ms=not_before_ms)
         if self.message is not None:
             headers[NATS_MSG_ID] = f"{self.message.id}#attempt-{headers[ATTEMPT_HEADER]}"

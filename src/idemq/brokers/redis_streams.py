@@ -29,7 +29,6 @@ import json
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -39,6 +38,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 import redis.exceptions as rx
 
+from idemq._clock import Clock, system_clock_ms
 from idemq.brokers.base import (
     BROKER_MESSAGE_ID,
     Delivery,
@@ -81,8 +81,10 @@ class RedisStreamsBroker:
         block_ms: int = 200,
         declare: str = "auto",
         dead_letter: str | None = None,
+        clock_ms: Clock = system_clock_ms,
     ) -> None:
         self.client = client
+        self.clock_ms = clock_ms
         self.group = group
         self.declare_mode = check_declare_mode(declare)
         self.dead_letter = dead_letter
@@ -193,7 +195,7 @@ class RedisStreamsBroker:
             if not deliveries:
                 yield None
             for delivery in deliveries:
-                early_s = (delivery.not_before_ms - time.time_ns() // 1_000_000) / 1000
+                early_s = (delivery.not_before_ms - self.clock_ms()) / 1000
                 if early_s > 0:
                     delivery.retry(early_s)  # a copy not yet due: no handler run, no attempt
                     continue
@@ -330,7 +332,7 @@ class RedisStreamsDelivery(Delivery):
     def _retry(self, delay_s: float, counted: bool) -> None:
         b = self._broker
         if counted:
-            not_before_ms = time.time_ns() // 1_000_000 + int(delay_s * 1000)
+            not_before_ms = b.clock_ms() + int(delay_s * 1000)
             headers = self.retry_headers(counted=True, not_before_ms=not_before_ms)
             message_id = self.message.id if self.message else None
             pipe = b.client.pipeline(transaction=True)  # MULTI/EXEC: the copy replaces it
