@@ -32,7 +32,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 import confluent_kafka
@@ -43,8 +43,8 @@ from idemq._clock import Clock, system_clock_ms
 from idemq.brokers.base import (
     Delivery,
     Received,
+    Traits,
     check_declare_mode,
-    dead_letter_headers,
     header_text,
     outgoing_headers,
 )
@@ -123,6 +123,13 @@ class KafkaBroker:
     One group per topic by default: members of a group rebalance together, so unrelated
     workers sharing a group would stall each other on every join and every crash.
     """
+
+    TRAITS: ClassVar[Traits] = Traits(
+        topology_options=True,
+        connect_timeout=True,
+        # librdkafka wants max.poll.interval.ms >= session.timeout.ms: both are set.
+        redelivery_timers=(("session_timeout_ms", 1000), ("max_poll_interval_ms", 1000)),
+    )
 
     def __init__(
         self,
@@ -488,10 +495,6 @@ class KafkaDelivery(Delivery):
         self._broker.requeue(self, delay_s, counted)
         self._broker.settled(self.queue, self.partition, self.offset)
 
-    def _dead_letter(self, reason: str) -> None:
-        headers = dead_letter_headers(
-            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
-        )
+    def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
         key = self.message.id if self.message else None
         self._broker._produce(self._broker.dead_letter_queue(self.queue), self.body, headers, key)
-        self._broker.settled(self.queue, self.partition, self.offset)

@@ -22,6 +22,7 @@ import heapq
 import queue as queue_module
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from typing import ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 import paho.mqtt.client as paho
@@ -30,7 +31,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from idemq._clock import Clock, system_clock_ms
-from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
+from idemq.brokers.base import Delivery, Received, Traits, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["MqttBroker"]
@@ -44,6 +45,9 @@ def _properties(packet_type: int) -> Properties:
 
 class MqttBroker:
     """A publishing client, plus one persistent-session consuming client per consumed topic."""
+
+    # Nothing to declare (the session is the subscription); unacked messages return on reconnect.
+    TRAITS: ClassVar[Traits] = Traits()
 
     def __init__(
         self,
@@ -237,10 +241,6 @@ class MqttDelivery(Delivery):
         self._broker.publish_with(self._broker._publisher, self.queue, self.body, headers)
         self._puback()
 
-    def _dead_letter(self, reason: str) -> None:
-        headers = dead_letter_headers(
-            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
-        )
+    def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
         dlq = self._broker.dead_letter_queue(self.queue)
         self._broker.publish_with(self._broker._publisher, dlq, self.body, headers)
-        self._puback()
