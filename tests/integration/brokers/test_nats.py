@@ -4,12 +4,14 @@ to the loop thread."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker, Delivery
+from idemq.brokers.nats import stream_name
 from idemq.message import MESSAGE_ID_HEADER
 from tests.conftest import require_service, unique
 from tests.contract.brokers_queued_acks import QueuedAckContract
@@ -72,3 +74,43 @@ def test_idle_pulls_after_delayed_naks_are_idle_not_an_outage() -> None:
         consumer.close()
         publisher.delete_queue(queue)
         publisher.close()
+
+
+def test_a_dead_letter_no_stream_captures_comes_back_to_its_queue() -> None:
+    # The dead-letter stream is deleted while the consumer runs: the copy is refused, so the
+    # original must not be TERMed (lost from both places) but come back to be tried again.
+    require_service("nats")
+    url = "nats://127.0.0.1:4222?ack_wait_s=30"
+    queue = unique("q")
+    consumer = open_broker(url)
+    admin: Any = open_broker(url)
+    try:
+        stream = consumer.consume(queue, prefetch=1)
+        assert next(stream) is None  # declared: the queue's stream and its dead-letter stream
+        admin.settle(admin._js.delete_stream(stream_name(f"{queue}.dlq")))
+        admin.publish(queue, b"poison", message_id=f"P_{queue}")
+        first = _first(stream, timeout_s=20)
+        first.dead_letter("invalid_message: test").result(timeout=20)
+        again = _first(stream, timeout_s=20)  # requeued after DEAD_LETTER_REQUEUE_S
+        assert again.message is not None
+        assert (again.message.id, again.body, again.delivery_attempt) == (
+            f"P_{queue}",
+            b"poison",
+            1,
+        )
+        again.ack().result(timeout=20)
+        stream.close()
+    finally:
+        consumer.close()
+        admin.delete_queue(queue)
+        admin.close()
+
+
+def _first(stream: Iterator[Delivery | None], *, timeout_s: float) -> Delivery:
+    deadline = time.monotonic() + timeout_s
+    for delivery in stream:
+        if delivery is not None:
+            return delivery
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"nothing delivered within {timeout_s}s")
