@@ -4,7 +4,6 @@ to the loop thread."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ from idemq.brokers.base import Broker, Delivery
 from idemq.brokers.nats import stream_name
 from idemq.message import MESSAGE_ID_HEADER
 from tests.conftest import require_service, unique
+from tests.contract.brokers import dead_letter_refused_comes_back
 from tests.contract.brokers_queued_acks import QueuedAckContract
 
 pytestmark = pytest.mark.nats
@@ -85,32 +85,13 @@ def test_a_dead_letter_no_stream_captures_comes_back_to_its_queue() -> None:
     consumer = open_broker(url)
     admin: Any = open_broker(url)
     try:
-        stream = consumer.consume(queue, prefetch=1)
-        assert next(stream) is None  # declared: the queue's stream and its dead-letter stream
-        admin.settle(admin._js.delete_stream(stream_name(f"{queue}.dlq")))
-        admin.publish(queue, b"poison", message_id=f"P_{queue}")
-        first = _first(stream, timeout_s=20)
-        first.dead_letter("invalid_message: test").result(timeout=20)
-        again = _first(stream, timeout_s=20)  # requeued after DEAD_LETTER_REQUEUE_S
-        assert again.message is not None
-        assert (again.message.id, again.body, again.delivery_attempt) == (
-            f"P_{queue}",
-            b"poison",
-            1,
+        dead_letter_refused_comes_back(
+            consumer,
+            admin,
+            queue,
+            lambda: admin.settle(admin._js.delete_stream(stream_name(f"{queue}.dlq"))),
         )
-        again.ack().result(timeout=20)
-        stream.close()
     finally:
         consumer.close()
         admin.delete_queue(queue)
         admin.close()
-
-
-def _first(stream: Iterator[Delivery | None], *, timeout_s: float) -> Delivery:
-    deadline = time.monotonic() + timeout_s
-    for delivery in stream:
-        if delivery is not None:
-            return delivery
-        if time.monotonic() > deadline:
-            break
-    raise AssertionError(f"nothing delivered within {timeout_s}s")
