@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from idemq._backoff import Backoff
 from idemq.drivers.redis import EXTEND_IF_OWNER, Pause, RunScript
 from idemq.errors import ConfigurationError, StoreUnavailableError
 from idemq.lock.scripts import ACQUIRE, RELEASE, LockKeys, acquire, release, renew
@@ -49,8 +50,7 @@ def acquiring(
         5000,
         blocking=blocking,
         timeout_s=timeout_s,
-        poll_s=poll_s,
-        max_poll_s=max_poll_s,
+        backoff=Backoff(poll_s, max_poll_s, jitter=0.5),
         rng=random.Random(3),
         monotonic=clock or Clock(),
     )
@@ -95,9 +95,10 @@ def test_polling_backs_off_exponentially_with_jitter_up_to_the_cap():
         delays.append(pause.seconds)
         assert isinstance(plan.send(False), RunScript)
     bases = [min(0.8, 0.1 * 2**n) for n in range(7)]
-    # ±50 % jitter around each base: waiters freed by one expiry do not retry in lock-step.
+    # Up to half of each wait drawn at random: waiters freed by one expiry do not retry in
+    # lock-step.
     for delay, base in zip(delays, bases, strict=True):
-        assert 0.5 * base <= delay <= 1.5 * base
+        assert 0.5 * base <= delay <= base
     assert max(delays) <= 1.2
 
 
