@@ -213,6 +213,6 @@ def test_middleware_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="100-499"):
         IdempotencyKeyMiddleware(app, store=store, stored_statuses=[503])
     transactional = IdempotencyKeyMiddleware(app, store=store)
-    assert transactional.owns_transaction
-    assert not IdempotencyKeyMiddleware(app, store=store, wait_s=None).owns_transaction
-    assert not IdempotencyKeyMiddleware(app, store=store, mode="lease").owns_transaction
+    assert transactional.owns_connection
+    assert not IdempotencyKeyMiddleware(app, store=store, wait_s=None).owns_connection
+    assert not IdempotencyKeyMiddleware(app, store=store, mode="lease").owns_connection
