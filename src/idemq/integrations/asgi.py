@@ -8,6 +8,8 @@ store — the body of a guarded request (for its fingerprint) and of its respons
 One guarded request::
 
     key     Idempotency-Key header (or key=callable(scope, body)) → dedup id in the client's scope
+    lock    PostgreSQL, transactional: the key's in-flight lock (:mod:`._inflight`); taken by a
+            first request still running → 409 (or tried again up to ``wait_s``)
     claim   the guard claims the id (AsyncIdempotency.process), with the request's fingerprint
     run     the app runs with the response captured; a transactional store's connection is in
             scope["state"]["idemq_tx"], so the app's writes join the dedup row's transaction
