@@ -361,8 +361,8 @@ class IdempotencyKeyMiddleware:
                 message_id, handler, payload=fingerprint, connection=conn
             )
         finally:
-            # Back to the pool, which rolls back whatever is still open (a lock, a failure).
             with translated(f"close on {store.where}"):
+                await _end_driver_transaction(conn)
                 await conn.close()
 
     async def _lock_in_flight(self, conn: AsyncConnection, message_id: str) -> bool:
@@ -430,3 +430,19 @@ async def _try_lock(conn: AsyncConnection, statement: str) -> bool:
         wrapped = DBAPIError.instance(None, None, exc, conn.dialect.loaded_dbapi.Error)
         raise translate_db_error(wrapped, "in-flight lock") from exc
     return bool(row is not None and row[0])
+
+
+async def _end_driver_transaction(conn: AsyncConnection) -> None:
+    """psycopg: roll back what the in-flight lock began and the guard did not end (the lock
+    was taken, so the guard never ran). The store's pool does not reset a connection it gets
+    back, and one left in a transaction would carry a lock, or an aborted state, to its next
+    user. No round trip when the guard's COMMIT or ROLLBACK already ended it; a connection
+    that cannot roll back is discarded."""
+    if conn.dialect.driver != "psycopg" or conn.invalidated:
+        return
+    driver = (await conn.get_raw_connection()).driver_connection
+    assert driver is not None  # a checked-out connection has its driver's
+    try:
+        await driver.rollback()
+    except conn.dialect.loaded_dbapi.Error:
+        await conn.invalidate()
