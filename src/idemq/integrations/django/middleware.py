@@ -60,7 +60,6 @@ from idemq.integrations.http import (
 )
 from idemq.integrations.http import stored_statuses as _stored_statuses
 from idemq.stores.base import Store, TransactionalStore
-from idemq.stores.sql.schema import DEFAULT_TABLE
 
 __all__ = ["IdempotencyKeyMiddleware"]
 
@@ -124,9 +123,7 @@ class IdempotencyKeyMiddleware:
     def _configure(self, config: dict[str, Any]) -> None:
         store = _loaded(config.get("store"))
         if store is None:
-            store = DjangoStore(
-                using=config.get("using", "default"), table=config.get("table", DEFAULT_TABLE)
-            )
+            store = DjangoStore(using=config.get("using", "default"), table=config.get("table"))
         if not isinstance(store, Store):
             raise ConfigurationError(f"IDEMQ_HTTP store must be a store, got {store!r}")
         mode = config.get("mode")

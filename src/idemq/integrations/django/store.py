@@ -30,6 +30,7 @@ from idemq.drivers.sql import (
     translated,
 )
 from idemq.errors import ConfigurationError, StoreError, TransactionLostError
+from idemq.integrations.django._schema import configured_tables
 from idemq.integrations.django._sql import CursorRunner, wrap_driver_error
 from idemq.integrations.django._urls import database_url
 from idemq.stores.base import (
@@ -42,7 +43,6 @@ from idemq.stores.base import (
     StoreStats,
 )
 from idemq.stores.sql.plans import SqlPlans
-from idemq.stores.sql.schema import DEFAULT_TABLE
 from idemq.stores.sql.store import SqlStore, SqlStoreBase
 
 __all__ = ["DjangoStore"]
@@ -62,15 +62,16 @@ class DjangoStore(SqlStoreBase):
     done before your COMMIT).
 
     The table is made by the app's migrations (``idemq.integrations.django`` in
-    ``INSTALLED_APPS``, then ``manage.py migrate``). ``lease_clock`` and ``expires_after_s`` as
-    for :class:`~idemq.SqlStore`; ``engine_kwargs`` go to the engine of idemq's own connection
-    (lease mode, the operator's commands).
+    ``INSTALLED_APPS``, then ``manage.py migrate``); ``table=None`` is the one they make (the
+    setting ``IDEMQ_TABLE``, else ``message_idempotent``). ``lease_clock`` and
+    ``expires_after_s`` as for :class:`~idemq.SqlStore`; ``engine_kwargs`` go to the engine of
+    idemq's own connection (lease mode, the operator's commands).
     """
 
     def __init__(
         self,
         using: str = "default",
-        table: str = DEFAULT_TABLE,
+        table: str | None = None,
         *,
         lease_clock: str | None = None,
         expires_after_s: float | None = None,
@@ -80,6 +81,8 @@ class DjangoStore(SqlStoreBase):
 
         if using not in connections.settings:
             raise ConfigurationError(f"no database {using!r} in Django's DATABASES")
+        if table is None:
+            table = configured_tables()[0]
         self.using = using
         self._wrapper = connections[using]
         url = database_url(
