@@ -123,7 +123,11 @@ class IdempotencyKeyMiddleware:
     def _configure(self, config: dict[str, Any]) -> None:
         store = _loaded(config.get("store"))
         if store is None:
-            store = DjangoStore(using=config.get("using", "default"), table=config.get("table"))
+            # The guard's atomic() joins the middleware's rather than nesting a savepoint:
+            # any failure rolls the whole request back (what is not stored did not happen).
+            store = DjangoStore(
+                using=config.get("using", "default"), table=config.get("table"), savepoint=False
+            )
         if not isinstance(store, Store):
             raise ConfigurationError(f"IDEMQ_HTTP store must be a store, got {store!r}")
         mode = config.get("mode")
