@@ -30,6 +30,7 @@ from idemq.drivers.sql import (
     translated,
 )
 from idemq.errors import ConfigurationError, StoreError, TransactionLostError
+from idemq.integrations.django._schema import configured_tables
 from idemq.integrations.django._sql import CursorRunner, wrap_driver_error
 from idemq.integrations.django._urls import database_url
 from idemq.stores.base import (
@@ -42,7 +43,6 @@ from idemq.stores.base import (
     StoreStats,
 )
 from idemq.stores.sql.plans import SqlPlans
-from idemq.stores.sql.schema import DEFAULT_TABLE
 from idemq.stores.sql.store import SqlStore, SqlStoreBase
 
 __all__ = ["DjangoStore"]
@@ -62,24 +62,31 @@ class DjangoStore(SqlStoreBase):
     done before your COMMIT).
 
     The table is made by the app's migrations (``idemq.integrations.django`` in
-    ``INSTALLED_APPS``, then ``manage.py migrate``). ``lease_clock`` and ``expires_after_s`` as
-    for :class:`~idemq.SqlStore`; ``engine_kwargs`` go to the engine of idemq's own connection
-    (lease mode, the operator's commands).
+    ``INSTALLED_APPS``, then ``manage.py migrate``); ``table=None`` is the one they make (the
+    setting ``IDEMQ_TABLE``, else ``message_idempotent``). ``lease_clock`` and
+    ``expires_after_s`` as for :class:`~idemq.SqlStore`; ``engine_kwargs`` go to the engine of
+    idemq's own connection (lease mode, the operator's commands). ``savepoint=False``: inside
+    an open ``atomic()`` block the guard's transaction joins it instead of nesting a savepoint
+    (``atomic(savepoint=False)``), so a handler's failure dooms the whole block; for a caller
+    that rolls all of it back on any failure (the HTTP middleware), two round trips fewer.
     """
 
     def __init__(
         self,
         using: str = "default",
-        table: str = DEFAULT_TABLE,
+        table: str | None = None,
         *,
         lease_clock: str | None = None,
         expires_after_s: float | None = None,
+        savepoint: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         from django.db import connections  # noqa: PLC0415 -- needs configured settings
 
         if using not in connections.settings:
             raise ConfigurationError(f"no database {using!r} in Django's DATABASES")
+        if table is None:
+            table = configured_tables()[0]
         self.using = using
         self._wrapper = connections[using]
         url = database_url(
@@ -95,6 +102,7 @@ class DjangoStore(SqlStoreBase):
         )
         self.where = f"Django database {using!r} table {table}"
         self._table_name = table
+        self.savepoint = savepoint
         self._engine_kwargs = engine_kwargs
         self._expires_after_s = expires_after_s
         self._own: SqlStore | None = None
@@ -165,9 +173,9 @@ class DjangoStore(SqlStoreBase):
     def transaction(self, connection: Any = None) -> Iterator[Any]:
         """``transaction.atomic(using=…)`` on Django's connection; yields that connection.
 
-        A savepoint inside an open ``atomic()`` block, a transaction that commits here
-        otherwise. A failure to begin, commit or roll back is raised as an idemq error; what
-        the block raises goes on as it is.
+        A savepoint inside an open ``atomic()`` block (with ``savepoint=False``: that block
+        itself), a transaction that commits here otherwise. A failure to begin, commit or roll
+        back is raised as an idemq error; what the block raises goes on as it is.
         """
         from django.db import connections, transaction  # noqa: PLC0415
 
@@ -175,7 +183,7 @@ class DjangoStore(SqlStoreBase):
         self._cursor_runner()  # before the transaction: it may connect on its own
         raised: BaseException | None = None
         try:
-            with transaction.atomic(using=using):
+            with transaction.atomic(using=using, savepoint=self.savepoint):
                 try:
                     yield connections[using]
                 except BaseException as body_error:
