@@ -42,7 +42,7 @@ import redis.cluster
 from redis import exceptions as rx
 from redis.crc import key_slot as _crc_key_slot
 
-from idemq.drivers.urls import mask_url
+from idemq.drivers.urls import is_redis_url, mask_url
 from idemq.errors import (
     ConfigurationError,
     StoreConfigurationError,
@@ -319,9 +319,6 @@ def describe_client(client: AnyRedis | AnyAsyncRedis) -> str:
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
 """For clients idemq builds from a URL: a hung server becomes StoreUnavailableError, not a hang."""
 
-_SCHEMES = ("redis", "rediss", "unix")
-
-
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no", "")
 
@@ -379,14 +376,13 @@ def redis_client(
             f"needs a {kind.__module__}.{kind.__name__}, a {cluster_kind.__module__}."
             f"{cluster_kind.__name__} or a Redis URL, got {type(client_or_url).__name__}"
         )
-    scheme, sep, _ = client_or_url.partition("://")
-    if not sep or scheme.lower() not in _SCHEMES:
+    if not is_redis_url(client_or_url):
         raise ConfigurationError(
             f"not a Redis URL (redis://, rediss:// or unix://): {mask_url(client_or_url)}"
         )
     url, cluster = _cluster_url(client_or_url)
     _check_tls_files(url)
-    if cluster and scheme.lower() == "unix":
+    if cluster and url.lower().startswith("unix://"):
         raise ConfigurationError(f"a Cluster is reached over TCP: {mask_url(url)}")
     try:
         if cluster:

@@ -41,6 +41,7 @@ import sqlalchemy as sa
 
 from idemq.drivers.redis import redis_client
 from idemq.drivers.sql import sql_engine
+from idemq.drivers.urls import is_redis_url
 from idemq.errors import ConfigurationError, LeaseLostError, StoreError
 from idemq.ids.format import validate_id_part
 from idemq.ids.node_lease_backends import RedisLeaseBackend, SqlLeaseBackend
@@ -249,9 +250,7 @@ def lease_node(
         raise ConfigurationError(f"need ttl_s > 0 and release_hold_s >= 0, got {ttl_s!r}")
     names = _node_names(nodes, node_format)
     lease_backend: LeaseBackend
-    if isinstance(backend, sa.Engine) or (
-        isinstance(backend, str) and not backend.startswith(("redis://", "rediss://", "unix://"))
-    ):
+    if isinstance(backend, sa.Engine) or (isinstance(backend, str) and not is_redis_url(backend)):
         owns = isinstance(backend, str)
         lease_backend = SqlLeaseBackend(sql_engine(backend), sql_table, owns_engine=owns)
     elif isinstance(backend, str) or hasattr(backend, "register_script"):

@@ -85,6 +85,37 @@ def test_inside_the_callers_atomic_block_it_is_a_savepoint(alias: str, store: Dj
     assert payments(alias, order) == 1
 
 
+def test_without_a_savepoint_a_failure_dooms_the_callers_block(alias: str, stores: list[Any]):
+    """``savepoint=False``: the guard joins the caller's block, so its handler's failure rolls
+    back the caller's own earlier write too; a success commits with the caller's block."""
+    from django.db import connections, transaction  # noqa: PLC0415
+
+    store = DjangoStore(using=alias, savepoint=False)
+    stores.append(store)
+    guard = idemq.Idempotency(store, consumer=unique("c"))
+    before, order = unique("o"), unique("o")
+
+    def failing(tx: Any) -> None:
+        pay(alias, order)
+        raise Boom
+
+    def caller() -> None:
+        with transaction.atomic(using=alias):
+            pay(alias, before)  # the caller's own write, before the guard
+            guard.process("m-1", failing, connection=connections[alias])
+
+    with pytest.raises(Boom):
+        caller()
+    assert payments(alias, before) == payments(alias, order) == 0
+    assert store.get("m-1", guard.policy.consumer) is None
+
+    with transaction.atomic(using=alias):
+        pay(alias, before)
+        guard.process("m-1", lambda tx: pay(alias, order), connection=connections[alias])
+    assert guard.process("m-1", lambda tx: pay(alias, order)).status is idemq.Status.DUPLICATE
+    assert payments(alias, before) == payments(alias, order) == 1
+
+
 def test_a_transaction_marked_for_rollback_is_never_acknowledged(alias: str, store: DjangoStore):
     """A handler that swallows an error inside ``atomic(savepoint=False)`` dooms the whole
     transaction: Django rolls it back at the end, so PROCESSED would be a lie."""

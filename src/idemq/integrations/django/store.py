@@ -23,6 +23,7 @@ import sqlalchemy as sa
 
 from idemq.drivers.sql import Plan, driver_reports_aborts, transaction_aborted, translated
 from idemq.errors import ConfigurationError, StoreError, TransactionLostError
+from idemq.integrations.django._schema import configured_tables
 from idemq.integrations.django._sql import (
     CursorRunner,
     translate_driver_error,
@@ -35,7 +36,6 @@ from idemq.stores.base import (
     Key,
 )
 from idemq.stores.sql.plans import SqlPlans
-from idemq.stores.sql.schema import DEFAULT_TABLE
 from idemq.stores.sql.store import Primitive, SqlStore, SqlStoreAdmin
 
 __all__ = ["DjangoStore"]
@@ -55,24 +55,31 @@ class DjangoStore(SqlStoreAdmin):
     done before your COMMIT).
 
     The table is made by the app's migrations (``idemq.integrations.django`` in
-    ``INSTALLED_APPS``, then ``manage.py migrate``). ``lease_clock`` and ``expires_after_s`` as
-    for :class:`~idemq.SqlStore`; ``engine_kwargs`` go to the engine of idemq's own connection
-    (lease mode, the operator's commands).
+    ``INSTALLED_APPS``, then ``manage.py migrate``); ``table=None`` is the one they make (the
+    setting ``IDEMQ_TABLE``, else ``message_idempotent``). ``lease_clock`` and
+    ``expires_after_s`` as for :class:`~idemq.SqlStore`; ``engine_kwargs`` go to the engine of
+    idemq's own connection (lease mode, the operator's commands). ``savepoint=False``: inside
+    an open ``atomic()`` block the guard's transaction joins it instead of nesting a savepoint
+    (``atomic(savepoint=False)``), so a handler's failure dooms the whole block; for a caller
+    that rolls all of it back on any failure (the HTTP middleware), two round trips fewer.
     """
 
     def __init__(
         self,
         using: str = "default",
-        table: str = DEFAULT_TABLE,
+        table: str | None = None,
         *,
         lease_clock: str | None = None,
         expires_after_s: float | None = None,
+        savepoint: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         from django.db import connections  # noqa: PLC0415 -- needs configured settings
 
         if using not in connections.settings:
             raise ConfigurationError(f"no database {using!r} in Django's DATABASES")
+        if table is None:
+            table = configured_tables()[0]
         self.using = using
         self._wrapper = connections[using]
         url = database_url(
@@ -88,6 +95,7 @@ class DjangoStore(SqlStoreAdmin):
         )
         self.where = f"Django database {using!r} table {table}"
         self._table_name = table
+        self.savepoint = savepoint
         self._engine_kwargs = engine_kwargs
         self._expires_after_s = expires_after_s
         self._own: SqlStore | None = None
@@ -163,9 +171,9 @@ class DjangoStore(SqlStoreAdmin):
     def transaction(self, connection: Any = None) -> Iterator[Any]:
         """``transaction.atomic(using=…)`` on Django's connection; yields that connection.
 
-        A savepoint inside an open ``atomic()`` block, a transaction that commits here
-        otherwise. A failure to begin, commit or roll back is raised as an idemq error; what
-        the block raises goes on as it is.
+        A savepoint inside an open ``atomic()`` block (with ``savepoint=False``: that block
+        itself), a transaction that commits here otherwise. A failure to begin, commit or roll
+        back is raised as an idemq error; what the block raises goes on as it is.
         """
         from django.db import connections, transaction  # noqa: PLC0415
 
@@ -173,7 +181,7 @@ class DjangoStore(SqlStoreAdmin):
         self._cursor_runner()  # before the transaction: it may connect on its own
         raised: BaseException | None = None
         try:
-            with transaction.atomic(using=using):
+            with transaction.atomic(using=using, savepoint=self.savepoint):
                 try:
                     yield connections[using]
                 except BaseException as body_error:

@@ -22,6 +22,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from idemq._backoff import Backoff
 from idemq._clock import system_clock_ms
 from idemq.drivers.sql import (
     Plan,
@@ -85,6 +86,9 @@ OWN_TRANSACTION_ATTEMPTS = 6
 CONFLICT_PAUSE_S = 0.01
 """The first window of the random pause before a store's own transaction runs again after a
 conflict; it doubles at each further conflict (see :meth:`SqlStoreBase.conflict_pause_s`)."""
+
+# Full jitter: racers that deadlocked one another must not run again in lock-step.
+_CONFLICT_BACKOFF = Backoff(CONFLICT_PAUSE_S, 1.0, jitter=1.0)
 
 #: A primitive, given the store's plans: ``lambda plans: plans.get(key)``.
 Primitive = Callable[[SqlPlans], Plan[T]]
@@ -196,7 +200,7 @@ class SqlStoreBase:
         takeover or the expired record's delete) would otherwise run again in lock-step and
         meet in the same deadlock, until one ran out of attempts.
         """
-        return self._jitter.uniform(0, CONFLICT_PAUSE_S * 2 ** (conflicts - 1))
+        return _CONFLICT_BACKOFF.delay_s(conflicts, self._jitter.random)
 
     def _confirm_plan(
         self, driver_connection: Any, key: Key, owner: str, result: str, *, deferred: bool
