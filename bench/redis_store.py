@@ -149,6 +149,28 @@ def async_bare_setnx(runner: asyncio.Runner, client: redis.asyncio.Redis) -> Loo
     return on_loop(runner, body)
 
 
+def async_bound(runner: asyncio.Runner, client: redis.asyncio.Redis, complete: bool) -> Loop:
+    """:func:`bound` on the asyncio client."""
+    claim_sha = runner.run(client.script_load(scripts.CLAIM.source))
+    complete_sha = runner.run(client.script_load(scripts.COMPLETE.source))
+    layout = Layout.build(PREFIX, TTL_S)
+    gc_ms = LEASE_MS + layout.ttl_ms
+
+    async def body(ids: list[str]) -> None:
+        for n, message_id in enumerate(ids):
+            key = layout.key(Key("bench", message_id))
+            owner = f"w{n}"
+            await client.execute_command(
+                "EVALSHA", claim_sha, 1, key, owner, "", LEASE_MS, gc_ms, "", ""
+            )
+            if complete:
+                await client.execute_command(
+                    "EVALSHA", complete_sha, 1, key, owner, RESULT, "", layout.ttl_ms
+                )
+
+    return on_loop(runner, body)
+
+
 def async_primitives(runner: asyncio.Runner, store: AsyncRedisStore, duplicate: bool) -> Loop:
     async def body(ids: list[str]) -> None:
         now_ms = time.time_ns() // 1_000_000
@@ -290,6 +312,7 @@ def main() -> None:
         ("idemq RedisStore claim+complete", idemq_primitives(store, duplicate=False), None),
         ("idemq Idempotency(lease)", idemq_guard(store), None),
         ("async bare SET NX PX + SET XX EX", async_bare_first(runner, aclient), None),
+        ("async bound: claim+complete EVALSHA", async_bound(runner, aclient, True), None),
         ("async AsyncRedisStore claim+compl.", async_primitives(runner, astore, False), None),
         ("async AsyncIdempotency(lease)", async_guard(runner, astore), None),
     ]
@@ -303,6 +326,11 @@ def main() -> None:
         ),
         ("idemq Idempotency(lease) (dup)", idemq_guard(store), idemq_guard(store)),
         ("async bare SET NX", async_bare_setnx(runner, aclient), async_bare_first(runner, aclient)),
+        (
+            "async bound: claim EVALSHA (dup)",
+            async_bound(runner, aclient, False),
+            async_bound(runner, aclient, True),
+        ),
         (
             "async AsyncRedisStore claim (dup)",
             async_primitives(runner, astore, duplicate=True),
@@ -351,6 +379,8 @@ def main() -> None:
     ratio("bound: claim EVALSHA (dup)", "bare SET NX")
     ratio("idemq RedisStore claim+complete", "bound: claim+complete EVALSHA")
     ratio("idemq RedisStore claim (dup)", "bound: claim EVALSHA (dup)")
+    ratio("async AsyncRedisStore claim+compl.", "async bound: claim+complete EVALSHA")
+    ratio("async AsyncRedisStore claim (dup)", "async bound: claim EVALSHA (dup)")
     if pt is not None:
         ratio("idemq Idempotency(lease)", "powertools idempotent_function", 1.2)
         ratio("idemq Idempotency(lease) (dup)", "powertools (dup)", 3.0)
