@@ -431,7 +431,8 @@ def run_one(kind: str, broker: str, n: int) -> Rate:
     publish(BROKERS[broker], queue, n)
     worker = Worker(kind, broker, queue)
     try:
-        return ledger_rate(n, timeout_s=max(60.0, n / 200), worker=worker)
+        # Generous: the machine is shared, and a loaded run is slow, not broken.
+        return ledger_rate(n, timeout_s=max(180.0, n / 20), worker=worker)
     finally:
         worker.stop()
         cleanup(broker, queue)
