@@ -37,7 +37,10 @@ batch still runs each message's three statements, one round trip each; only the 
 flush) and the dedup claim are shared. (A consumer's ratio can be higher: batching also shares
 its per-message costs outside the database.)
 
-    python bench/e2e.py [--n 5000] [--repeat 3] [--only amqp,redis,nats,kafka]
+``--before CHECKOUT`` runs the idemq contenders of a second checkout too (``idemq@before`` …),
+each right after its twin: a change measured against the code before it, in the same run.
+
+    python bench/e2e.py [--n 5000] [--repeat 3] [--only amqp,redis,nats,kafka] [--before DIR]
     python bench/e2e.py --memory 100000 [--memory-kind batch] [--memory-broker nats]
 """
 
@@ -62,6 +65,7 @@ from typing import Any, NamedTuple, Protocol
 import psycopg
 
 ROOT = Path(__file__).resolve().parents[1]
+BEFORE_VAR = "IDEMQ_E2E_BEFORE"  # a checkout of the code before a change (--before)
 DB = os.environ.get("IDEMQ_BENCH_DB", "test")  # bench/scale.py runs in a database of its own
 PG_DSN = f"host=127.0.0.1 port=5432 user=postgres dbname={DB}"
 PG_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{DB}"
@@ -384,9 +388,15 @@ def publish(broker_url: str, queue: str, n: int) -> None:
     broker.close()
 
 
+def tree(kind: str) -> Path:
+    """The checkout a contender runs: ``idemq@before`` is ``idemq`` from the ``--before`` one."""
+    return Path(os.environ[BEFORE_VAR]) if kind.endswith("@before") else ROOT
+
+
 def command(kind: str, broker: str, queue: str) -> list[str]:
     if kind == "raw":
         return [sys.executable, __file__, "--raw", broker, "--queue", queue]
+    kind = kind.removesuffix("@before")
     handler = "bench.e2e:handle_driver" if kind == "driver" else "bench.e2e:handle"
     cmd = [str(ROOT / ".venv/bin/idemq"), "worker", handler, "--broker"]
     cmd += [BROKERS[broker], "--queue", queue, "--store", PG_URL, "--prefetch", str(PREFETCH)]
@@ -398,7 +408,8 @@ class Worker:
 
     def __init__(self, kind: str, broker: str, queue: str) -> None:
         # The tree's own src first: the code measured is this checkout's, whatever is installed.
-        path = os.pathsep.join([str(ROOT), str(ROOT / "src")])
+        root = tree(kind)
+        path = os.pathsep.join([str(root), str(root / "src")])
         env = {**os.environ, "PYTHONPATH": path, "IDEMQ_E2E_PREFIX": P}
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
         self.proc = subprocess.Popen(command(kind, broker, queue), env=env, stderr=self._stderr)
@@ -500,6 +511,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=5000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", default="amqp,redis,nats,kafka")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="a checkout of the code before a change: its idemq contenders run too, interleaved",
+    )
     parser.add_argument("--memory", type=int, help="RSS of one worker over N messages instead")
     parser.add_argument("--memory-kind", default="idemq", choices=["idemq", "batch"])
     parser.add_argument("--memory-broker", default="redis", choices=list(BROKERS))
@@ -521,14 +537,16 @@ def main() -> None:
         if args.memory:
             memory(args.memory, args.memory_kind, args.memory_broker)
         else:
-            compare(brokers, args.n, args.repeat)
+            if args.before:
+                os.environ[BEFORE_VAR] = str(args.before.resolve())
+            compare(brokers, args.n, args.repeat, before=args.before is not None)
     finally:
         if tansu is not None:
             tansu.stop()
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
-def compare(brokers: list[str], n: int, repeat: int) -> None:
+def compare(brokers: list[str], n: int, repeat: int, *, before: bool = False) -> None:
     """Every contender on every broker, interleaved; each run's line, then the best of each."""
     print(
         f"{n} messages per run, prefetch {PREFETCH}, batch {BATCH}, best of {repeat}; raw = "
@@ -536,6 +554,8 @@ def compare(brokers: list[str], n: int, repeat: int) -> None:
         "seed's SQL; cpu = the consumer process's CPU µs per message"
     )
     kinds = ["raw", "idemq", "driver", "batch"]
+    # The idemq contenders of the code before a change, each right after its twin of now.
+    runs = [k for kind in kinds for k in (kind, f"{kind}@before")[: 1 + (before and kind != "raw")]]
     sql: dict[int, float] = {}
     best: dict[tuple[str, str], Rate] = {}
     for rep in range(repeat):
@@ -544,12 +564,12 @@ def compare(brokers: list[str], n: int, repeat: int) -> None:
             sql[per_txn] = max(sql.get(per_txn, 0.0), rate)
             print(f"  run {rep + 1} sql   {per_txn:>3}/txn {rate:6.0f} msg/s", flush=True)
         for broker in brokers:
-            for kind in kinds if rep % 2 == 0 else kinds[::-1]:  # interleaved, order alternated
+            for kind in runs if rep % 2 == 0 else runs[::-1]:  # interleaved, order alternated
                 run = run_one(kind, broker, n)
                 if run.msg_s > best.get((broker, kind), Rate(0.0, 0.0)).msg_s:
                     best[broker, kind] = run
                 print(
-                    f"  run {rep + 1} {broker:5} {kind:6} {run.msg_s:8.0f} msg/s, "
+                    f"  run {rep + 1} {broker:5} {kind:13} {run.msg_s:8.0f} msg/s, "
                     f"cpu {run.cpu_us:5.0f} µs/msg",
                     flush=True,
                 )
@@ -568,6 +588,16 @@ def compare(brokers: list[str], n: int, repeat: int) -> None:
             f"{batch.msg_s:6.0f} msg/s cpu {batch.cpu_us:4.0f} µs "
             f"({batch.msg_s / idemq.msg_s:.2f}x per-message, {batch.msg_s / raw.msg_s:.2f}x raw)"
         )
+        if before:
+            old = [best[broker, f"{k}@before"] for k in kinds[1:]]
+            print(
+                f"{broker:5}: before the change: "
+                + " | ".join(
+                    f"{k} {r.msg_s:6.0f} msg/s cpu {r.cpu_us:4.0f} µs "
+                    f"({r.msg_s / raw.msg_s:.2f}x raw)"
+                    for k, r in zip(kinds[1:], old, strict=True)
+                )
+            )
 
 
 if __name__ == "__main__":
