@@ -20,7 +20,14 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
-from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
+from idemq.guard.flow import (
+    ConflictRetries,
+    Flow,
+    RunHandler,
+    Step,
+    StoreStep,
+    message_flow,
+)
 from idemq.guard.renewal import Holding, LeaseKeeper
 from idemq.message import Message
 from idemq.stores.base import ForgetResult, Store, TransactionalStore
@@ -178,7 +185,10 @@ class Idempotency(GuardBase[Store]):
         *,
         holding: Holding | None = None,
     ) -> Any:
-        """Carry out one step: a store primitive, or the handler (its outcome as data)."""
+        """Carry out one step: a store primitive (most steps are), or the handler (its outcome
+        as data), or a pause."""
+        if isinstance(step, StoreStep):
+            return step.call(self.store, tx)
         if isinstance(step, RunHandler):
             token = context.enter(step.context)
             try:
@@ -188,7 +198,5 @@ class Idempotency(GuardBase[Store]):
                 return False, exc
             finally:
                 context.leave(token)
-        if isinstance(step, Pause):
-            time.sleep(step.seconds)
-            return None
-        return step.call(self.store, tx)
+        time.sleep(step.seconds)
+        return None

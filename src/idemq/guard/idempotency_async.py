@@ -20,7 +20,14 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, Observed, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Mode, Outcome
-from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
+from idemq.guard.flow import (
+    ConflictRetries,
+    Flow,
+    RunHandler,
+    Step,
+    StoreStep,
+    message_flow,
+)
 from idemq.guard.inflight import InFlight
 from idemq.guard.renewal import AsyncHolding, keep_async
 from idemq.message import Message
@@ -218,6 +225,8 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         holding: AsyncHolding | None = None,
     ) -> Any:
         """See :meth:`Idempotency._execute`; a plain function's result is not awaited."""
+        if isinstance(step, StoreStep):
+            return await step.call(self.store, tx)
         if isinstance(step, RunHandler):
             if holding is not None:
                 holding.keep(step.held)
@@ -231,7 +240,5 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
                 return False, exc
             finally:
                 context.leave(token)
-        if isinstance(step, Pause):
-            await asyncio.sleep(step.seconds)
-            return None
-        return await step.call(self.store, tx)
+        await asyncio.sleep(step.seconds)
+        return None
