@@ -20,14 +20,7 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
-from idemq.guard.flow import (
-    ConflictRetries,
-    Flow,
-    RunHandler,
-    Step,
-    StoreStep,
-    message_flow,
-)
+from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, StoreStep, message_flow
 from idemq.guard.renewal import Holding, LeaseKeeper
 from idemq.message import Message
 from idemq.stores.base import ForgetResult, Store, TransactionalStore

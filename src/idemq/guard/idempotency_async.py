@@ -20,14 +20,7 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, Observed, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Mode, Outcome
-from idemq.guard.flow import (
-    ConflictRetries,
-    Flow,
-    RunHandler,
-    Step,
-    StoreStep,
-    message_flow,
-)
+from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, StoreStep, message_flow
 from idemq.guard.inflight import InFlight
 from idemq.guard.renewal import AsyncHolding, keep_async
 from idemq.message import Message
