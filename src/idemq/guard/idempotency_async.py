@@ -121,7 +121,7 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
     ) -> list[Outcome[Any]]:
         """See :meth:`Idempotency.process_batch`; ``handler`` may be async."""
         plan, make_flow = self._batch(messages)
-        outcomes = await self._run(make_flow, handler, connection, BatchPasses)
+        outcomes = await self._run(make_flow, handler, connection, BatchPasses, holds=True)
         for request, outcome in zip(plan.requests, outcomes, strict=True):
             self._remember(request, outcome, committed=connection is None)
         return self._report_batch(plan.assemble(outcomes))
@@ -189,10 +189,15 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         handler: Callable[[Any, Any], Any],
         connection: Any,
         retries_type: type[ConflictRetries],
+        *,
+        holds: bool = False,
     ) -> Any:
         """See :meth:`Idempotency._run`."""
         retries = retries_type(owns_transaction=connection is None)
         if not self._transactional:
+            if not holds:
+                execute = functools.partial(self._execute, None, handler)
+                return await adrive(make_flow(retries), execute)
             holding = AsyncHolding(self.store.renew, self.policy.clock)
             try:
                 execute = functools.partial(self._execute, None, handler, holding=holding)
