@@ -20,7 +20,7 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, Observed, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Mode, Outcome
-from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
+from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, StoreStep, message_flow
 from idemq.guard.inflight import InFlight
 from idemq.guard.renewal import AsyncHolding, keep_async
 from idemq.message import Message
@@ -126,7 +126,7 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
     ) -> list[Outcome[Any]]:
         """See :meth:`Idempotency.process_batch`; ``handler`` may be async."""
         plan, make_flow = self._batch(messages)
-        outcomes = await self._run(make_flow, handler, connection, BatchPasses)
+        outcomes = await self._run(make_flow, handler, connection, BatchPasses, holds=True)
         for request, outcome in zip(plan.requests, outcomes, strict=True):
             self._remember(request, outcome, committed=connection is None)
         return self._report_batch(plan.assemble(outcomes))
@@ -194,10 +194,15 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
         handler: Callable[[Any, Any], Any],
         connection: Any,
         retries_type: type[ConflictRetries],
+        *,
+        holds: bool = False,
     ) -> Any:
         """See :meth:`Idempotency._run`."""
         retries = retries_type(owns_transaction=connection is None)
         if not self._transactional:
+            if not holds:
+                execute = functools.partial(self._execute, None, handler)
+                return await adrive(make_flow(retries), execute)
             holding = AsyncHolding(self.store.renew, self.policy.clock)
             try:
                 execute = functools.partial(self._execute, None, handler, holding=holding)
@@ -223,6 +228,8 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
         holding: AsyncHolding | None = None,
     ) -> Any:
         """See :meth:`Idempotency._execute`; a plain function's result is not awaited."""
+        if isinstance(step, StoreStep):
+            return await step.call(self.store, tx)
         if isinstance(step, RunHandler):
             if holding is not None:
                 holding.keep(step.held)
@@ -236,7 +243,5 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
                 return False, exc
             finally:
                 context.leave(token)
-        if isinstance(step, Pause):
-            await asyncio.sleep(step.seconds)
-            return None
-        return await step.call(self.store, tx)
+        await asyncio.sleep(step.seconds)
+        return None
