@@ -26,7 +26,7 @@ from idemq.errors import ConfigurationError
 from idemq.migrations import plan_upgrade, upgrade_schema
 from idemq.stores.sql.schema import SCHEMA_VERSION
 from idemq.stores.sql.versions import VERSION_TABLE, recorded_version
-from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
+from tests.conftest import MYSQL_URL, PG_URL, require_service, unique, wait_until
 
 OLD_DDL = Path(__file__).parent / "schema_v1"
 OLD_ROWS = 100_000
@@ -186,12 +186,16 @@ def test_upgrade_of_a_version_1_table_loses_no_row_and_never_stalls_the_guards(
     workers = [Worker(store, effects, "transactional"), Worker(store, effects, "lease")]
     for worker in workers:
         worker.start()
-    time.sleep(0.5)  # both are writing before the upgrade starts
+    wait_until(lambda: all(len(w.done) >= 20 for w in workers), "both writing before the upgrade")
     start = time.monotonic()
     code = main(["schema", "upgrade", "--store", store.url.render_as_string(False),
                  "--table", name, "--no-outbox"])  # fmt: skip
     end = time.monotonic()
-    time.sleep(0.5)  # and keep writing after it
+    after = [len(w.done) for w in workers]
+    wait_until(
+        lambda: all(len(w.done) >= n + 20 for w, n in zip(workers, after, strict=True)),
+        "both writing after the upgrade",
+    )
     for worker in workers:
         worker.stop.set()
         worker.join(timeout=30)
