@@ -166,15 +166,26 @@ SERVICE_WORDS = {
     "mqtt": "mqtt",
 }
 TESTS = Path(__file__).parent
+#: Rooms whose tests are chaos runs: several processes each, busy on the CPU, killed and cut on
+#: timers. More than two at once on a 2-core machine starve each other past their deadlines, so
+#: their tests are dealt in turn to this many xdist groups (a group runs on one worker, one test
+#: at a time) unless a module names its own group.
+CHAOS_ROOMS = {"chaos", "hosts"}
+CHAOS_LANES = 2
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """``slow`` on the end-to-end rooms; a service's marker on every test whose id or fixtures
-    name it, so ``-m postgres`` (or ``-m "not kafka"``) selects what it says."""
+    name it, so ``-m postgres`` (or ``-m "not kafka"``) selects what it says; the chaos runs in
+    at most ``CHAOS_LANES`` groups."""
+    chaos_runs = 0
     for item in items:
         room = item.path.relative_to(TESTS).parts[0] if TESTS in item.path.parents else ""
         if room in SLOW_ROOMS:
             item.add_marker(pytest.mark.slow)
+        if room in CHAOS_ROOMS and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(f"chaos-{chaos_runs % CHAOS_LANES}"))
+            chaos_runs += 1
         words = {*re.split(r"[^a-z0-9]+", item.nodeid.lower()), *item.fixturenames}
         for service in sorted({SERVICE_WORDS[w] for w in words if w in SERVICE_WORDS}):
             item.add_marker(service)

@@ -42,9 +42,6 @@ from tests.hosts.handlers import HANDLERS, LEASE_WORKER
 IDEMQ = str(Path(sys.executable).with_name("idemq"))
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 
-# One worker builds the three namespaces once (a module fixture).
-pytestmark = pytest.mark.xdist_group("several_hosts")
-
 MESSAGES = 500
 FIRST_BATCH = 400  # before the cut; the rest after host 1 is back
 DUPLICATE_SHARE = 0.2  # producer retries: this share of ids is published twice
