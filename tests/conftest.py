@@ -2,16 +2,25 @@
 
 A test that needs a service skips when the service is unreachable on a developer's machine, and
 **fails** when ``CI=true`` — a green CI run must never hide a service that did not start.
+
+The suite runs in parallel (pytest-xdist, README's test command): names are unique per test
+(:func:`unique`), ports come from the OS (:func:`free_port`), and a test that changes a setting of
+a shared server for everyone takes that server alone (:func:`server_wide`). Markers are applied
+here, from where a test lives and what it uses, so new test files get them without a word.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import socket
+import tempfile
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
@@ -50,9 +59,14 @@ def free_port() -> int:
 
 
 def require_service(name: str) -> None:
-    """Skip (locally) or fail (under CI=true) when ``name`` is not reachable."""
+    """Skip (locally) or fail (under CI=true) when ``name`` is not reachable.
+
+    While the calling test runs, it shares ``name`` with the other tests that use it: a test that
+    changes the whole server (:func:`server_wide`) waits for them to finish, and they for it.
+    """
     host, port = SERVICES[name]
     if port_open(host, port):
+        _take_service(name, exclusive=False)
         return
     message = f"{name} is not reachable at {host}:{port}"
     if CI:
@@ -63,6 +77,118 @@ def require_service(name: str) -> None:
 def unique(prefix: str = "t") -> str:
     """A short unique name for tables/consumers so concurrent test runs never collide."""
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T], what: str, timeout_s: float = 30.0, interval_s: float = 0.05
+) -> T:
+    """Poll ``condition`` until it returns something true, and return that; fail the test,
+    naming ``what``, after ``timeout_s``. A fixed sleep is either too long on an idle machine or
+    too short on a loaded one: this waits exactly as long as the condition takes."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+    return result
+
+
+# -- services shared by parallel workers ----------------------------------------------------
+# One lock file per service, in the machine's temp directory, so every pytest process (xdist
+# workers, and other runs of the suite on this machine) sees the same one. flock's shared mode
+# lets any number of ordinary tests use a service together; the exclusive mode lets a test that
+# changes a server-wide setting (RabbitMQ's consumer_timeout) run only when no other test is on
+# that server, so no other test's channel is opened under the changed setting.
+SERVICE_LOCKS = Path(tempfile.gettempdir()) / "idemq-test-services"
+_held_services: dict[str, int] = {}  # service -> this process's open lock file on it
+
+
+def _take_service(name: str, exclusive: bool) -> None:
+    fd = _held_services.get(name)
+    if fd is None:
+        SERVICE_LOCKS.mkdir(mode=0o777, exist_ok=True)
+        fd = os.open(SERVICE_LOCKS / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        _held_services[name] = fd
+    elif not exclusive:
+        return  # already shared (or exclusive) for this test
+    fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+
+
+def _release_services() -> None:
+    while _held_services:
+        _, fd = _held_services.popitem()
+        os.close(fd)  # closing the last descriptor releases the flock
+
+
+def server_wide(name: str) -> None:
+    """Take service ``name`` alone for the rest of the calling test (see ``SERVICE_LOCKS``)."""
+    require_service(name)
+    _take_service(name, exclusive=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    """Services a test took are given back once it is over, teardown included."""
+    try:
+        return (yield)
+    finally:
+        _release_services()
+
+
+# -- markers ----------------------------------------------------------------------------------
+#: Rooms whose tests run real processes, servers or model checkers end to end: all ``slow``. The
+#: fast loop (``-m "not slow"``) is tests/unit and tests/contract, less what is marked there.
+SLOW_ROOMS = {"integration", "chaos", "hosts", "docs", "browser", "models"}
+#: A word in a test's id (module, class, name, parameters) or a fixture it uses -> its marker.
+SERVICE_WORDS = {
+    "postgres": "postgres",
+    "postgresql": "postgres",
+    "pg": "postgres",
+    "pg_url": "postgres",
+    "mysql": "mysql",
+    "mariadb": "mysql",
+    "maria": "mysql",
+    "mysql_url": "mysql",
+    "redis": "redis",
+    "redis_url": "redis",
+    "redis_cluster": "redis",
+    "rabbitmq": "rabbitmq",
+    "amqp": "rabbitmq",
+    "kafka": "kafka",
+    "tansu": "kafka",
+    "kafka_behind_proxy": "kafka",
+    "nats": "nats",
+    "mqtt": "mqtt",
+}
+TESTS = Path(__file__).parent
+#: Rooms whose tests are chaos runs: several processes each, busy on the CPU, killed and cut on
+#: timers. More than two at once on a 2-core machine starve each other past their deadlines, so
+#: their tests are dealt in turn to this many xdist groups (a group runs on one worker, one test
+#: at a time) unless a module names its own group.
+CHAOS_ROOMS = {"chaos", "hosts"}
+CHAOS_LANES = 2
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``slow`` on the end-to-end rooms; a service's marker on every test whose id or fixtures
+    name it, so ``-m postgres`` (or ``-m "not kafka"``) selects what it says; the chaos runs in
+    at most ``CHAOS_LANES`` groups."""
+    chaos_runs = 0
+    for item in items:
+        room = item.path.relative_to(TESTS).parts[0] if TESTS in item.path.parents else ""
+        if room in SLOW_ROOMS:
+            item.add_marker(pytest.mark.slow)
+        if room in CHAOS_ROOMS and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(f"chaos-{chaos_runs % CHAOS_LANES}"))
+            chaos_runs += 1
+        words = {*re.split(r"[^a-z0-9]+", item.nodeid.lower()), *item.fixturenames}
+        for service in sorted({SERVICE_WORDS[w] for w in words if w in SERVICE_WORDS}):
+            item.add_marker(service)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 
 from idemq.chaos import ChaosResult
 from idemq.chaos.rabbitmq_timeout import rabbitmqctl, read_settings
-from tests.conftest import CI, require_service
+from tests.conftest import CI, require_service, server_wide
 
 from .conftest import PG_URL, chaos
 
@@ -36,7 +36,9 @@ def assert_cause_alone(result: ChaosResult, cause: str, guard: bool) -> None:
 
 @pytest.mark.parametrize("guard", [True, False], ids=["guard", "no_guard"])
 def test_rabbitmq_slow_consumer_alone(tmp_path: Path, guard: bool) -> None:
-    require_service("rabbitmq")
+    # The run shortens consumer_timeout for every channel opened on the node meanwhile: no other
+    # test may be on RabbitMQ then, or its slow handler would lose its channel.
+    server_wide("rabbitmq")
     require_service("postgres")
     if rabbitmqctl() is None:
         message = "rabbitmqctl is not installed"

@@ -338,7 +338,12 @@ class BrokerContract:
                 publisher.publish(queue, b'{"n": %d}' % i, message_id=message_id)
             wait_for(lambda: len(business.counts()) >= 3, 30, "a few effects")
             proxy.cut()
-            time.sleep(1.5)
+            # The outage lasts until the worker has met it, however long that takes here.
+            wait_for(
+                lambda: worker.stats.verdicts[Verdict.STORE_UNAVAILABLE] >= 1,
+                30,
+                "the worker to meet the store outage",
+            )
             proxy.restore()
             wait_for(lambda: set(business.counts()) == set(ids), 60, "every effect after outage")
             running.stop()

@@ -93,6 +93,7 @@ def guard_for(store: Any, consumer: str) -> idemq.Idempotency:
     return idemq.Idempotency(store, consumer=consumer, mode="lease", lease_s=60)
 
 
+@pytest.mark.slow
 def test_four_workers_race_on_the_same_500_ids_in_batches_of_50(any_store, effects):
     consumer = unique("c")
     failures: list[BaseException] = []
@@ -202,6 +203,7 @@ CRASHER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "postgres", "mariadb"])
 def test_sigkill_mid_batch_commits_nothing_and_redelivery_applies_each_once(kind, tmp_path):
     if kind == "postgres":

@@ -26,6 +26,8 @@ REDELIVERY_S = 0.1  # a delivery answered IN_PROGRESS comes back this much later
 
 Effect = Callable[[Any, str], Awaitable[None]]
 
+pytestmark = pytest.mark.slow  # 50 coroutines on 100 keys of a real store: 5 to 70 s each
+
 
 class Effects:
     """The business effect of one message, and how often each key's effect happened."""

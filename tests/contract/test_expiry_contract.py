@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 import idemq
-from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, require_service, unique
+from tests.conftest import MYSQL_URL, PG_URL, REDIS_URL, require_service, unique, wait_until
 from tests.contract.conftest import (
     LEASE_CLOCK,
     SQL_STORES,
@@ -295,11 +295,13 @@ def test_on_redis_the_window_is_the_record_ttl():
     require_service("redis")
     store = idemq.RedisStore(REDIS_URL, prefix=unique("idemqtest"), ttl_s=1)
     try:
-        guard = idemq.Idempotency(store, consumer=unique("c"), lease_s=30)
+        consumer = unique("c")
+        guard = idemq.Idempotency(store, consumer=consumer, lease_s=30)
         runs: list[int] = []
         guard.process("M1", lambda _tx: runs.append(1))
         assert guard.process("M1", lambda _tx: runs.append(2)).status is idemq.Status.DUPLICATE
-        time.sleep(2.5)  # Redis expires the key on its own clock
+        # Redis expires the key on its own clock, about a second from now.
+        wait_until(lambda: store.get("M1", consumer) is None, "Redis to expire M1", timeout_s=10)
         assert guard.process("M1", lambda _tx: runs.append(3)).status is idemq.Status.PROCESSED
         assert runs == [1, 3]
     finally:

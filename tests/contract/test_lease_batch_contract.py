@@ -131,6 +131,7 @@ def slow_handler(effects: Effects, runs: Counter[str], rival: Rival) -> Any:
     return handle
 
 
+@pytest.mark.slow
 def test_a_batch_longer_than_its_lease_keeps_every_claim_it_holds(lease_store, effects):
     consumer = unique("c")
     batch = messages(3)
@@ -187,6 +188,7 @@ def test_a_later_message_taken_over_while_unrenewed_is_not_run_by_the_batch(leas
         assert outcome.status in (idemq.Status.IN_PROGRESS, idemq.Status.DUPLICATE)
 
 
+@pytest.mark.slow
 def test_an_async_batch_longer_than_its_lease_keeps_every_claim_it_holds(tmp_path):
     # The asyncio guard holds the later claims with a task each (AsyncHolding).
     store = make_store("redis", tmp_path)

@@ -30,6 +30,7 @@ def guard_of(store: Any, consumer: str, **options: Any) -> idemq.Idempotency:
     return idemq.Idempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S, **options)
 
 
+@pytest.mark.slow
 def test_a_handler_longer_than_its_lease_keeps_it_and_runs_once(store):
     consumer = unique("c")
     holder, rival = guard_of(store, consumer), guard_of(store, consumer)
@@ -54,6 +55,7 @@ def test_a_handler_longer_than_its_lease_keeps_it_and_runs_once(store):
     assert runs == ["holder"]
 
 
+@pytest.mark.slow
 def test_without_renewal_the_same_handler_is_taken_over(store):
     # The control: what renewal prevents really happens without it.
     consumer = unique("c")
@@ -147,6 +149,7 @@ def redis_or_pg(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]
     dispose(made)
 
 
+@pytest.mark.slow
 def test_a_3s_handler_with_a_1s_lease_runs_once_while_duplicates_keep_arriving(redis_or_pg):
     # Another worker keeps delivering the message the whole time the handler runs: each
     # delivery meets the renewed claim (IN_PROGRESS), none takes it over, and the ones after

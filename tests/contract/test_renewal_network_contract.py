@@ -38,6 +38,8 @@ from tests.contract._silent_proxy import SilentProxy
 
 LEASE_S = 2.0
 
+pytestmark = pytest.mark.slow  # real leases lost to silent connections: 3 to 6 s each
+
 
 @dataclass
 class Proxied:

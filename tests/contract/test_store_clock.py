@@ -229,6 +229,7 @@ SKEWED_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_processes_whose_clocks_differ_by_a_minute_run_each_effect_once(made, kind):
     """Four worker processes, clocks 0, +60 s, -60 s and +60 s, through the same 100 ids."""
     store, effects = made
@@ -268,6 +269,7 @@ def test_processes_whose_clocks_differ_by_a_minute_run_each_effect_once(made, ki
     assert effects.counts() == Counter({f"P{i:03d}": 1 for i in range(100)})
 
 
+@pytest.mark.slow
 def test_an_expired_lease_is_taken_over_even_by_a_slow_clock(made):
     """A crashed worker's 1 s lease, on the store's clock, is over after 1 s of real time, even
     for a worker whose own clock is a minute behind (on its clock the lease has 61 s to go)."""
@@ -288,6 +290,7 @@ def test_an_expired_lease_is_taken_over_even_by_a_slow_clock(made):
     assert effects.counts() == Counter({"X": 1})
 
 
+@pytest.mark.slow
 def test_renewal_on_the_stores_clock_keeps_a_long_handler_alone(made):
     """A 4 s handler on a 3 s lease, renewed on the store's clock (every second), is not taken
     over by a worker a minute fast that keeps asking."""

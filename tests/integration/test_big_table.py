@@ -20,6 +20,9 @@ from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
 
 ROWS = 200_000
 
+# One worker fills each backend's 200,000 rows once (the fixture is per module, so per worker).
+pytestmark = pytest.mark.xdist_group("big_table")
+
 
 @pytest.fixture(scope="module", params=["postgres", "mysql"])
 def big_store(request: pytest.FixtureRequest) -> Iterator[idemq.SqlStore]:

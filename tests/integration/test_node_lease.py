@@ -187,7 +187,9 @@ def test_five_processes_pool_of_four_distinct_nodes_no_colliding_ids(
 
 def test_a_killed_process_node_is_reused_after_its_ttl(env: LeaseEnv, tmp_path: Path) -> None:
     out = tmp_path / "doomed.txt"
-    doomed = spawn(env, out, count=10, ttl_s=1.0)
+    # 3 s: the dead process must still hold its node when this test asks, however loaded the
+    # machine is between the kill and the next lease (1 s was not enough on 4 xdist workers).
+    doomed = spawn(env, out, count=10, ttl_s=3.0)
     wait_for([out])
     dead_node = out.read_text().split("\n")[0]
     doomed.send_signal(signal.SIGKILL)  # no release: only the TTL can free the node
@@ -197,7 +199,7 @@ def test_a_killed_process_node_is_reused_after_its_ttl(env: LeaseEnv, tmp_path: 
     with env.lease(nodes=["N001", "N002"]) as live:
         assert live.node != dead_node  # still held by the dead process for now
         assert dead_node in env.holders()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while dead_node in env.holders():
             assert time.monotonic() < deadline
             time.sleep(0.1)
@@ -207,7 +209,7 @@ def test_a_killed_process_node_is_reused_after_its_ttl(env: LeaseEnv, tmp_path: 
 
 
 def test_pool_exhausted_then_released_node_is_reused_after_the_hold(env: LeaseEnv) -> None:
-    first = env.lease(nodes=[1, 2], release_hold_s=0.3)
+    first = env.lease(nodes=[1, 2], release_hold_s=1.0)  # long enough to be seen on a busy box
     second = env.lease(nodes=[1, 2])
     assert {first.node, second.node} == {"N001", "N002"}
     with pytest.raises(ConfigurationError, match="leased by live processes"):
@@ -216,7 +218,7 @@ def test_pool_exhausted_then_released_node_is_reused_after_the_hold(env: LeaseEn
     # Not at once: a new holder could reissue the ids of first's last millisecond.
     with pytest.raises(ConfigurationError):
         env.lease(nodes=[1, 2])
-    time.sleep(0.5)
+    time.sleep(1.2)  # past the hold
     with env.lease(nodes=[1, 2]) as third:
         assert third.node == first.node
         assert env.holders()[third.node] == third.owner

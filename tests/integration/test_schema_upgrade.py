@@ -1,6 +1,6 @@
-"""``idemq schema upgrade`` on a table made by idemq 0.1.0, while guards keep working on it.
+"""``idemq schema upgrade`` on a schema-version-1 table, while guards keep working on it.
 
-Each backend: the 0.1.0 DDL (``schema_0_1_0/``, printed by that release's ``idemq schema``),
+Each backend: the version-1 DDL (``schema_v1/``, printed by idemq 0.1.0's ``idemq schema``),
 100,000 rows, then the upgrade through the CLI while two threads (a transactional guard and a
 lease-mode guard) process messages and their duplicates against the table. Afterwards every old
 row is there, every new message's effect is there once, the guard claims, replays duplicates
@@ -26,9 +26,9 @@ from idemq.errors import ConfigurationError
 from idemq.migrations import plan_upgrade, upgrade_schema
 from idemq.stores.sql.schema import SCHEMA_VERSION
 from idemq.stores.sql.versions import VERSION_TABLE, recorded_version
-from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
+from tests.conftest import MYSQL_URL, PG_URL, require_service, unique, wait_until
 
-OLD_DDL = Path(__file__).parent / "schema_0_1_0"
+OLD_DDL = Path(__file__).parent / "schema_v1"
 OLD_ROWS = 100_000
 # A writer never waits longer than this for the upgrade (an ALTER that copied or locked the
 # table would hold 100k rows' worth of writers up).
@@ -48,7 +48,7 @@ def ddl_file(engine: sa.Engine) -> Path:
     return OLD_DDL / f"{name}.sql"
 
 
-def create_0_1_0_table(engine: sa.Engine, name: str) -> None:
+def create_v1_table(engine: sa.Engine, name: str) -> None:
     script = ddl_file(engine).read_text().replace("message_idempotent", name)
     with engine.begin() as conn:
         for statement in script.split(";\n"):
@@ -152,10 +152,10 @@ def count(engine: sa.Engine, sql: str, **params: Any) -> int:
 
 @pytest.fixture
 def old_table(url: str) -> Any:
-    """A 0.1.0 dedup table with 100k rows, an effects table; dropped afterwards."""
+    """A schema-version-1 dedup table with 100k rows, an effects table; dropped afterwards."""
     name = unique("up")
     store = idemq.SqlStore(url, table=name)
-    create_0_1_0_table(store.engine, name)
+    create_v1_table(store.engine, name)
     fill(store.engine, store.table, OLD_ROWS)
     effects = effects_table(unique("fx"))
     effects.create(store.engine)
@@ -165,7 +165,7 @@ def old_table(url: str) -> Any:
     store.close()
 
 
-def test_upgrade_of_a_0_1_0_table_loses_no_row_and_never_stalls_the_guards(
+def test_upgrade_of_a_version_1_table_loses_no_row_and_never_stalls_the_guards(
     old_table: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store, effects = old_table
@@ -186,12 +186,16 @@ def test_upgrade_of_a_0_1_0_table_loses_no_row_and_never_stalls_the_guards(
     workers = [Worker(store, effects, "transactional"), Worker(store, effects, "lease")]
     for worker in workers:
         worker.start()
-    time.sleep(0.5)  # both are writing before the upgrade starts
+    wait_until(lambda: all(len(w.done) >= 20 for w in workers), "both writing before the upgrade")
     start = time.monotonic()
     code = main(["schema", "upgrade", "--store", store.url.render_as_string(False),
                  "--table", name, "--no-outbox"])  # fmt: skip
     end = time.monotonic()
-    time.sleep(0.5)  # and keep writing after it
+    after = [len(w.done) for w in workers]
+    wait_until(
+        lambda: all(len(w.done) >= n + 20 for w, n in zip(workers, after, strict=True)),
+        "both writing after the upgrade",
+    )
     for worker in workers:
         worker.stop.set()
         worker.join(timeout=30)
@@ -204,7 +208,7 @@ def test_upgrade_of_a_0_1_0_table_loses_no_row_and_never_stalls_the_guards(
         assert stall < MAX_STALL_S, f"{worker.mode} writer waited {stall:.2f} s"
         assert any(t > end for t in worker.done), f"{worker.mode} stopped writing"
 
-    # Every 0.1.0 row is still there, unchanged.
+    # Every version-1 row is still there, unchanged.
     assert count(engine, f"SELECT COUNT(*) FROM {name} WHERE consumer = 'old'") == OLD_ROWS
     assert count(engine, f"SELECT COUNT(*) FROM {name} WHERE consumer = 'old' AND status = 1 "
                  "AND result = '\"ok\"' AND payload_hash = :h", h="0" * 64) == OLD_ROWS  # fmt: skip
@@ -266,7 +270,7 @@ def test_find_uses_the_new_index_after_the_upgrade(url: str) -> None:
     name = unique("up")
     store = idemq.SqlStore(url, table=name)
     try:
-        create_0_1_0_table(store.engine, name)
+        create_v1_table(store.engine, name)
         fill(store.engine, store.table, 20_000)
         upgrade_schema(store, outbox_table=None)
         with store.engine.begin() as conn:
@@ -359,7 +363,7 @@ def test_an_interrupted_postgresql_build_is_rebuilt() -> None:
     name = unique("up")
     store = idemq.SqlStore(PG_URL, table=name)
     try:
-        create_0_1_0_table(store.engine, name)
+        create_v1_table(store.engine, name)
         with store.engine.begin() as conn:
             conn.exec_driver_sql(
                 f"INSERT INTO {name} (consumer, message_id) VALUES ('a', 'x'), ('b', 'x')"
@@ -421,7 +425,7 @@ def test_postgresql_writers_pass_an_upgrade_that_waits_for_an_open_transaction()
     name = unique("up")
     store = idemq.SqlStore(PG_URL, table=name)
     try:
-        create_0_1_0_table(store.engine, name)
+        create_v1_table(store.engine, name)
         fill(store.engine, store.table, 1000)
         holder = store.engine.connect()
         holder.exec_driver_sql(f"INSERT INTO {name} (consumer, message_id) VALUES ('t1', 'open')")
@@ -464,7 +468,7 @@ def test_create_schema_on_an_older_table_says_how_to_upgrade_it(
     name = unique("up")
     store = idemq.SqlStore(url, table=name)
     try:
-        create_0_1_0_table(store.engine, name)
+        create_v1_table(store.engine, name)
         with caplog.at_level(logging.WARNING, logger="idemq.store"):
             store.create_schema()
         assert "schema version 1" in caplog.text

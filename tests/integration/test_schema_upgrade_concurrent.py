@@ -22,7 +22,7 @@ import idemq
 from idemq.stores.sql.schema import SCHEMA_VERSION
 from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
 from tests.integration.test_schema_upgrade import (
-    create_0_1_0_table,
+    create_v1_table,
     fill,
     index_names,
     recorded_version_of,
@@ -64,7 +64,7 @@ def test_concurrent_upgrades_serialise_and_all_succeed(server: str) -> None:
     url = f"{base}?application_name={name}" if server == "postgres" else base
     store = idemq.SqlStore(base, table=name)
     try:
-        create_0_1_0_table(store.engine, name)
+        create_v1_table(store.engine, name)
         fill(store.engine, store.table, 20_000)
         command = [IDEMQ, "schema", "upgrade", "--store", url, "--table", name, "--no-outbox"]
         with store.engine.connect() as holder, store.engine.connect() as watcher:

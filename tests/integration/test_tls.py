@@ -33,6 +33,9 @@ from tests.integration.tls_servers import (
 
 IDEMQ = str(Path(sys.executable).with_name("idemq"))
 
+# One worker makes the certificates and starts the TLS servers once (module fixtures).
+pytestmark = pytest.mark.xdist_group("tls")
+
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:

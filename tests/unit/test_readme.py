@@ -52,6 +52,7 @@ def test_quickstart_runs_as_written(tmp_path, monkeypatch, capsys):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "line", [c for c in code_blocks(section("Command line"), "bash")[0].splitlines() if c]
 )

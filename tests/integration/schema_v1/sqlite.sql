@@ -1,5 +1,6 @@
--- The dedup table as idemq 0.1.0 made it: `idemq schema --dialect postgresql --no-outbox` at d1d3d96
--- (the table's shape is unchanged since the store first shipped, da90bde).
+-- The dedup table at schema version 1, as idemq 0.1.0 made it:
+-- `idemq schema --dialect sqlite --no-outbox` at d1d3d96 (the table's shape is unchanged
+-- since the store first shipped, da90bde).
 CREATE TABLE message_idempotent (
 	consumer VARCHAR(128) NOT NULL,
 	message_id VARCHAR(128) NOT NULL,
@@ -10,8 +11,8 @@ CREATE TABLE message_idempotent (
 	owner VARCHAR(32),
 	lease_until_ms BIGINT,
 	attempts INTEGER DEFAULT 1 NOT NULL,
-	processed_time TIMESTAMP WITHOUT TIME ZONE,
-	created_time TIMESTAMP WITHOUT TIME ZONE DEFAULT CURRENT_TIMESTAMP NOT NULL,
+	processed_time DATETIME,
+	created_time DATETIME DEFAULT CURRENT_TIMESTAMP NOT NULL,
 	PRIMARY KEY (consumer, message_id)
 );
 

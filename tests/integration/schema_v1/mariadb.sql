@@ -1,5 +1,6 @@
--- The dedup table as idemq 0.1.0 made it: `idemq schema --dialect mariadb --no-outbox` at d1d3d96
--- (the table's shape is unchanged since the store first shipped, da90bde).
+-- The dedup table at schema version 1, as idemq 0.1.0 made it:
+-- `idemq schema --dialect mariadb --no-outbox` at d1d3d96 (the table's shape is unchanged
+-- since the store first shipped, da90bde).
 CREATE TABLE message_idempotent (
 	consumer VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL,
 	message_id VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL,
