@@ -76,7 +76,13 @@ def test_give_up_after_is_kept_on_every_broker(tmp_path, kind):
     done = worker(tmp_path, broker, "--give-up-after", "3")
     took_s = time.monotonic() - started
     assert done.returncode == 4, done.stderr
-    assert took_s <= 3 + 5, (took_s, done.stderr)  # the bound, plus the process's start-up
+    # The worker's own count, from its first attempt: the process's start-up (5-7 s on a loaded
+    # machine) is not part of the budget. A connect attempt still running at the limit may
+    # finish it by a second at most.
+    gave_up = re.search(r"gave up after \d+ attempts? in ([\d.]+)s", done.stderr)
+    assert gave_up is not None, done.stderr
+    assert float(gave_up.group(1)) <= 3 + 1, done.stderr
+    assert took_s <= 3 + 30, (took_s, done.stderr)  # and no hang around it
 
 
 def test_rabbitmq_refused_login_is_exit_2_at_once(tmp_path):
