@@ -63,7 +63,7 @@ class Worker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = tmp_path / "worker-0.log"
 
-    def start(self) -> None:
+    def start(self, *options: str) -> None:
         self.runs += 1
         self.log = self.tmp_path / f"worker-{self.runs}.log"
         with self.log.open("w") as sink:
@@ -80,6 +80,7 @@ class Worker:
                     self.queue,
                     "--max-attempts",
                     "100",
+                    *options,
                 ],
                 env=self.env,
                 cwd=ROOT,
@@ -153,10 +154,13 @@ def test_a_failure_after_the_orm_write_leaves_nothing_and_the_retry_pays_once(
     assert dedup_record(pg, "m-fail", queue).status.name == "PROCESSED"
 
 
-def test_duplicates_published_twice_pay_once(worker: Worker, pg: str, queue: str):
+@pytest.mark.parametrize("options", [(), ("--batch-size", "4")], ids=["one", "batched"])
+def test_duplicates_published_twice_pay_once(
+    worker: Worker, pg: str, queue: str, options: tuple[str, ...]
+):
     a, b, last = unique("o"), unique("o"), unique("o")
     publish(queue, ("m-a", order(a)), ("m-b", order(b)), ("m-a", order(a)), ("m-b", order(b)))
-    worker.start()
+    worker.start(*options)
     publish(queue, ("m-a", order(a)), ("m-last", order(last)))
     worker.wait(lambda: payments(pg, last) == 1, "the last message")
     assert worker.stop() == 0
