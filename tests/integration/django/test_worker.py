@@ -154,9 +154,17 @@ def test_a_failure_after_the_orm_write_leaves_nothing_and_the_retry_pays_once(
     assert dedup_record(pg, "m-fail", queue).status.name == "PROCESSED"
 
 
-@pytest.mark.parametrize("options", [(), ("--batch-size", "4")], ids=["one", "batched"])
+@pytest.mark.parametrize(
+    ("options", "mode"),
+    [
+        ((), "transactional"),
+        (("--batch-size", "4"), "transactional"),
+        (("--mode", "lease"), "lease"),
+    ],
+    ids=["one", "batched", "lease"],
+)
 def test_duplicates_published_twice_pay_once(
-    worker: Worker, pg: str, queue: str, options: tuple[str, ...]
+    worker: Worker, pg: str, queue: str, options: tuple[str, ...], mode: str
 ):
     a, b, last = unique("o"), unique("o"), unique("o")
     publish(queue, ("m-a", order(a)), ("m-b", order(b)), ("m-a", order(a)), ("m-b", order(b)))
@@ -165,6 +173,7 @@ def test_duplicates_published_twice_pay_once(
     worker.wait(lambda: payments(pg, last) == 1, "the last message")
     assert worker.stop() == 0
     assert [payments(pg, a), payments(pg, b), payments(pg, last)] == [1, 1, 1]
+    assert f"mode={mode}" in worker.log.read_text()
 
 
 def test_a_worker_killed_after_the_orm_write_pays_once_after_restart(
