@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from idemq.brokers import open_broker
 from idemq.integrations.django import DjangoStore
-from tests.conftest import CI, require_service, unique
-from tests.integration.django.conftest import MANAGE, ROOT, payments, sa_url, subprocess_env
+from tests.conftest import CI, delete_queues, require_service, terminate_pg_sessions, unique
+from tests.integration.django.conftest import MANAGE, ROOT, payments, subprocess_env
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DOCS_PAGE = ROOT / "docs" / "howto" / "integrations" / "django.md"
@@ -41,12 +40,7 @@ def pg(django_project: dict[str, Any]) -> str:
 def queue() -> Iterator[str]:
     name = unique("djworker")
     yield name
-    broker = open_broker(AMQP_URL)
-    try:
-        broker.delete_queue(name)
-        broker.delete_queue(broker.dead_letter_queue(name))
-    finally:
-        broker.close()
+    delete_queues(AMQP_URL, name)
 
 
 class Worker:
@@ -210,25 +204,15 @@ def test_a_terminated_connection_between_messages_does_not_stop_the_worker(
         OPTIONS={"application_name": name},
     )
     first, second, third = unique("o"), unique("o"), unique("o")
-    engine = sa.create_engine(sa_url(django_project, pg))
     try:
         worker.start()
         publish(queue, ("m-1", order(first)))
         worker.wait(lambda: payments(pg, first) == 1, "the first message")
-        with engine.begin() as conn:
-            terminated = conn.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE application_name = :name"
-                ),
-                {"name": name},
-            ).all()
-        assert terminated, "the worker's connection was not found"
+        assert terminate_pg_sessions(name) == 1, "the worker's connection was not found"
         publish(queue, ("m-2", order(second)), ("m-3", order(third)))
         worker.wait(lambda: payments(pg, third) == 1, "the messages after the termination")
         assert worker.stop() == 0
     finally:
-        engine.dispose()
         if worker.proc is not None and worker.proc.poll() is None:
             worker.stop(signal.SIGKILL)
     assert [payments(pg, first), payments(pg, second), payments(pg, third)] == [1, 1, 1]
