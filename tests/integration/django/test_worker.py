@@ -19,6 +19,7 @@ from idemq.brokers import open_broker
 from idemq.integrations.django import DjangoStore
 from tests.conftest import CI, delete_queues, require_service, terminate_pg_sessions, unique
 from tests.integration.django.conftest import MANAGE, ROOT, payments, subprocess_env
+from tests.integration.test_outbox_relay import receive
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DOCS_PAGE = ROOT / "docs" / "howto" / "integrations" / "django.md"
@@ -57,7 +58,7 @@ class Worker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = tmp_path / "worker-0.log"
 
-    def start(self, *options: str) -> None:
+    def start(self, *options: str, handler: str = "pay_or_fail") -> None:
         self.runs += 1
         self.log = self.tmp_path / f"worker-{self.runs}.log"
         with self.log.open("w") as sink:
@@ -67,7 +68,7 @@ class Worker:
                     str(MANAGE),
                     "idemq",
                     "worker",
-                    "tests.integration.django.shop.handlers:pay_or_fail",
+                    f"tests.integration.django.shop.handlers:{handler}",
                     "--broker",
                     AMQP_URL,
                     "--queue",
@@ -224,6 +225,33 @@ def test_a_terminated_connection_between_messages_does_not_stop_the_worker(
         assert "store_unavailable" not in stopped, stopped
     else:  # m-2 failed on the dead connection (Django dropped it) and its retry paid
         assert "store_unavailable=1" in stopped, stopped
+
+
+def test_the_relay_publishes_what_the_handler_added_to_the_outbox(
+    worker: Worker, pg: str, queue: str
+):
+    o, last, announced = unique("o"), unique("o"), unique("announced")
+    broker = open_broker(AMQP_URL)
+    try:
+        broker.declare(announced)
+        worker.start("--relay", handler="pay_and_announce")
+        body = order(o, announce_to=announced)
+        publish(
+            queue,
+            ("m-a", body),
+            ("m-a", body),
+            ("m-last", order(last, announce_to=announced)),
+        )
+        got = receive(broker, announced, 2)
+        assert worker.stop() == 0
+        assert "duplicate=1" in worker.log.read_text().splitlines()[-1]
+        paid = [json.loads(d.message.body)["paid"] for d in got if d.message is not None]
+        assert sorted(paid) == sorted([o, last])  # the duplicate announced nothing
+        assert receive(broker, announced, 1, timeout_s=1) == []
+    finally:
+        broker.close()
+        delete_queues(AMQP_URL, announced)
+    assert payments(pg, o) == 1
 
 
 def test_the_docs_example_is_the_handler_these_tests_run():
