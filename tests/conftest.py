@@ -227,6 +227,38 @@ def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return PG_URL if backend == "postgres" else MYSQL_URL
 
 
+def terminate_pg_sessions(application_name: str) -> int:
+    """End every PostgreSQL session of ``application_name`` (as a server restart or a network
+    cut would, seen from the client); how many there were."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    admin = sa.create_engine(PG_URL)
+    try:
+        with admin.begin() as conn:
+            ended = conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": application_name},
+            ).all()
+        return len(ended)
+    finally:
+        admin.dispose()
+
+
+def delete_queues(broker_url: str, queue: str) -> None:
+    """Delete ``queue`` and its dead-letter queue (tests share the brokers)."""
+    from idemq.brokers import open_broker  # noqa: PLC0415
+
+    broker = open_broker(broker_url)
+    try:
+        broker.delete_queue(queue)
+        broker.delete_queue(broker.dead_letter_queue(queue))
+    finally:
+        broker.close()
+
+
 def redis_cleanup(prefix: str) -> None:
     """Delete every key a test's store or lock wrote under ``prefix`` (tests share one Redis)."""
     import redis  # noqa: PLC0415

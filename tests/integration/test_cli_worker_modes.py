@@ -20,6 +20,7 @@ from tests.conftest import (
     MYSQL_URL,
     PG_URL,
     REDIS_URL,
+    delete_queues,
     redis_cleanup,
     require_service,
     unique,
@@ -141,12 +142,7 @@ def queue(request: pytest.FixtureRequest) -> Iterator[str]:
     name = unique("cliq")
     yield name
     if "rabbitmq" in request.node.name:
-        broker = open_broker(AMQP_URL)
-        try:
-            broker.delete_queue(name)
-            broker.delete_queue(broker.dead_letter_queue(name))
-        finally:
-            broker.close()
+        delete_queues(AMQP_URL, name)
 
 
 def _publisher(broker_url: str, queue: str) -> Callable[..., None]:

@@ -20,26 +20,8 @@ from idemq.errors import DuplicateKeyError, StoreIntegrityError
 from idemq.ids.node_lease_backends import SqlLeaseBackend
 from idemq.ids.timestamp_store import SqlTimestampStore
 from idemq.outbox import outbox_stats
-from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
+from tests.conftest import MYSQL_URL, PG_URL, require_service, terminate_pg_sessions, unique
 from tests.integration.test_outbox_relay import receive
-
-
-def _terminate(application_name: str) -> int:
-    """End every PostgreSQL session of ``application_name`` (as a server restart or a network
-    cut would, seen from the client); how many there were."""
-    admin = sa.create_engine(PG_URL)
-    try:
-        with admin.begin() as conn:
-            ended = conn.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE application_name = :name AND pid <> pg_backend_pid()"
-                ),
-                {"name": application_name},
-            ).all()
-        return len(ended)
-    finally:
-        admin.dispose()
 
 
 @pytest.fixture
@@ -62,7 +44,7 @@ def test_an_outbox_add_on_a_dropped_connection_is_an_outage_every_time(
     with outbox.engine.connect() as conn:
         conn.begin()
         outbox.add(conn, "orders", b"first")  # the transaction is under way
-        assert _terminate(name) >= 1
+        assert terminate_pg_sessions(name) >= 1
         with pytest.raises(idemq.StoreUnavailableError):
             outbox.add(conn, "orders", b"second")
         # SQLAlchemy now refuses the invalidated connection with an error of its own, not a
@@ -87,7 +69,7 @@ async def test_an_async_outbox_add_on_a_dropped_connection_is_an_outage_every_ti
         async with store.engine.connect() as conn:
             await conn.begin()
             await outbox.add(conn, "orders", b"first")
-            assert _terminate(name) >= 1
+            assert terminate_pg_sessions(name) >= 1
             with pytest.raises(idemq.StoreUnavailableError):
                 await outbox.add(conn, "orders", b"second")
             with pytest.raises(idemq.StoreUnavailableError):
@@ -114,7 +96,7 @@ def test_a_relay_whose_connection_drops_reports_an_outage_then_publishes(
         relay.run_once()  # the relay now keeps a connection of its own
         with outbox.engine.begin() as conn:
             second = outbox.add(conn, "orders", b"2")
-        assert _terminate(name) >= 1
+        assert terminate_pg_sessions(name) >= 1
         with pytest.raises(idemq.StoreUnavailableError):
             relay.run_once()
         relay.run_once()  # on a fresh connection

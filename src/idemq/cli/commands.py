@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -166,18 +166,33 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
+def cmd_worker(
+    args: argparse.Namespace,
+    store: Any = None,
+    before_each: Callable[[], object] | None = None,
+) -> int:
+    """``idemq worker``; with ``store``, on that store instead of one opened at ``--store``
+    (``python manage.py idemq worker``: a ``DjangoStore`` already built with ``--table`` and
+    ``--expires-after``), calling ``before_each`` before each delivery (see
+    :func:`idemq.worker.run.run_worker`)."""
     from idemq.worker.run import run_worker  # noqa: PLC0415
 
     # MODULE:HANDLER is usually the user's own code in the current directory; a console script's
     # sys.path does not include it (uvicorn and celery add it the same way).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    opened_here = {
+        "store_url": args.store,
+        "table": args.table,
+        "prefix": args.prefix,
+        "expires_after_s": args.expires_after,
+    }
     run_worker(  # it logs its final counts itself ("idemq worker stopped: …")
         args.handler,
+        **({"store": store} if store is not None else opened_here),
+        before_each=before_each,
         broker_url=args.broker,
         queue=args.queue,
-        store_url=args.store,
         consumer=args.consumer,
         concurrency=args.concurrency,
         prefetch=args.prefetch,
@@ -189,13 +204,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         outbox_table=args.outbox_table,
         declare=args.declare,
         dead_letter=args.dead_letter,
-        table=args.table,
-        prefix=args.prefix,
         give_up_after_s=args.give_up_after,
         log_error_text=args.log_error_text,
         mode=args.mode,
         lease_s=args.lease_s,
-        expires_after_s=args.expires_after,
     )
     return EXIT_OK
 

@@ -45,7 +45,7 @@ from idemq.errors import (
     StoreError,
 )
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "run_command"]
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -424,12 +424,21 @@ def _add_schema_upgrade(schema: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``idemq`` script."""
     args = build_parser().parse_args(argv)
+    return run_command(args, args.func)
+
+
+def run_command(args: argparse.Namespace, func: Callable[[argparse.Namespace], int]) -> int:
+    """``func(args)`` as the ``idemq`` script runs a parsed command: logging set up, a warning
+    for a password in argv, idemq errors reported as one line and an exit code.
+
+    ``python manage.py idemq worker`` parses with :func:`build_parser` and runs its own
+    ``func`` here (the worker on a ``DjangoStore``), so it behaves as ``idemq worker`` does.
+    """
     log_format = getattr(args, "log_format", "text")
     configure_logging(verbose=args.verbose, log_format=log_format)
     warning = argv_secrets_warning(args)
     if warning is not None:
         logging.getLogger("idemq.cli").warning("%s", warning)
-    func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
     except StoreConfigurationError as exc:  # before StoreError: the same settings fail again

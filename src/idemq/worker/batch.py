@@ -123,6 +123,7 @@ class BatchWorkerLoop:
         settings: BatchSettings,
         *,
         concurrency: int = 1,
+        before_each: Callable[[], object] | None = None,
     ) -> None:
         if not callable(getattr(guard, "process_batch", None)):
             raise ConfigurationError(f"{type(guard).__name__} has no process_batch()")
@@ -131,6 +132,7 @@ class BatchWorkerLoop:
         self.settler = settler
         self.settings = settings
         self.concurrency = concurrency
+        self.before_each = before_each
 
     @property
     def slots(self) -> int:
@@ -166,6 +168,8 @@ class BatchWorkerLoop:
 
     def _judge(self, messages: list[Message]) -> list[tuple[Verdict, str]]:
         try:
+            if self.before_each is not None:  # see Worker: outside the batch's transaction
+                self.before_each()
             # The guard itself reruns a batch that hit a deadlock (nothing of it committed).
             outcomes = self.guard.process_batch(messages, self.handler)
         except Exception as exc:

@@ -62,7 +62,11 @@ class Guard(Protocol):
 
 
 class Worker:
-    """Pulls deliveries from one queue; runs each through the guard on ``concurrency`` threads."""
+    """Pulls deliveries from one queue; runs each through the guard on ``concurrency`` threads.
+
+    ``before_each``: called before each delivery's (or batch's) transaction, in the thread that
+    runs it (see :func:`~idemq.worker.run.run_worker`).
+    """
 
     def __init__(
         self,
@@ -80,10 +84,12 @@ class Worker:
         give_up_after_s: float | None = None,
         startup_give_up_after_s: float | None = None,
         log_error_text: bool = False,
+        before_each: Callable[[], object] | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
         self.handler = handler
+        self.before_each = before_each
         self.broker = broker
         self.guard = guard
         self.queue = queue
@@ -100,7 +106,14 @@ class Worker:
         self.batch = (
             None
             if batch is None
-            else BatchWorkerLoop(guard, handler, self.settler, batch, concurrency=concurrency)
+            else BatchWorkerLoop(
+                guard,
+                handler,
+                self.settler,
+                batch,
+                concurrency=concurrency,
+                before_each=before_each,
+            )
         )
         in_flight = concurrency if self.batch is None else 2 * self.batch.slots
         self.prefetch = prefetch if prefetch is not None else in_flight
@@ -160,6 +173,9 @@ class Worker:
             return Verdict.INVALID_MESSAGE, delivery.decode_error or "undecodable"
         handler = self.handler
         try:
+            if self.before_each is not None:
+                # In the try: a failure here is this delivery's, settled like the handler's.
+                self.before_each()
             outcome = self.guard.process(
                 message.id,
                 lambda tx: handler(message, tx),

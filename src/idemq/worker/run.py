@@ -27,11 +27,19 @@ from idemq.guard.probes import CompositeObserver, Observer
 from idemq.observe.logs import LoggingObserver
 from idemq.stores import is_redis_url, store_label
 from idemq.stores.admin import open_store_for
+from idemq.stores.sql.store import SqlStoreAdmin
 from idemq.worker.batch import BatchSettings
 from idemq.worker.loop import Handler, Worker
 from idemq.worker.settle import WorkerStats
 
-__all__ = ["check_handler", "load_handler", "open_guard", "run_worker", "worker_observer"]
+__all__ = [
+    "check_handler",
+    "guard_on",
+    "load_handler",
+    "open_guard",
+    "run_worker",
+    "worker_observer",
+]
 
 log = logging.getLogger("idemq.worker")
 
@@ -113,9 +121,7 @@ def open_guard(
         )
     leased = mode == "lease" or (mode is None and redis)
     if lease_s is not None and not leased:
-        raise ConfigurationError(
-            "--lease-s is for lease mode: a transactional claim holds no lease (add --mode lease)"
-        )
+        raise _lease_s_outside_lease_mode()
     options: dict[str, Any] = {}
     if expires_after_s is not None:
         options["ttl_s" if redis else "expires_after_s"] = expires_after_s
@@ -125,15 +131,37 @@ def open_guard(
             _refused_setup_stops(store, consumer)
         else:
             store.create_schema()
-        return idemq.Idempotency(
-            store,
-            consumer=consumer,
-            mode="lease" if leased else "transactional",
-            lease_s=DEFAULT_LEASE_S if lease_s is None else lease_s,
+        return guard_on(
+            store, consumer, mode="lease" if leased else "transactional", lease_s=lease_s
         )
     except BaseException:
         store.close()
         raise
+
+
+def guard_on(
+    store: Any, consumer: str, *, mode: str | None = None, lease_s: float | None = None
+) -> idemq.Idempotency:
+    """The worker's :class:`idemq.Idempotency` on a store that is open already, used as it is
+    (no schema is created: a :class:`~idemq.integrations.django.DjangoStore`'s tables are the
+    project's migrations'). ``mode`` None is the store's own default (transactional where it
+    can share the handler's transaction); ``lease_s`` outside lease mode is a
+    :class:`~idemq.ConfigurationError`, as in :func:`open_guard`."""
+    guard = idemq.Idempotency(
+        store,
+        consumer=consumer,
+        mode=mode,
+        lease_s=DEFAULT_LEASE_S if lease_s is None else lease_s,
+    )
+    if lease_s is not None and guard.mode is not idemq.Mode.LEASE:
+        raise _lease_s_outside_lease_mode()
+    return guard
+
+
+def _lease_s_outside_lease_mode() -> ConfigurationError:
+    return ConfigurationError(
+        "--lease-s is for lease mode: a transactional claim holds no lease (add --mode lease)"
+    )
 
 
 def _refused_setup_stops(store: idemq.RedisStore, consumer: str) -> None:
@@ -197,7 +225,9 @@ def run_worker(
     *,
     broker_url: str,
     queue: str,
-    store_url: str,
+    store_url: str | None = None,
+    store: Any = None,
+    before_each: Callable[[], object] | None = None,
     consumer: str | None = None,
     concurrency: int = 1,
     prefetch: int | None = None,
@@ -241,6 +271,16 @@ def run_worker(
     ``log_error_text``: log a failing handler's exception text and traceback (by default its
     class and where it was raised only: the text may quote the payload).
     ``mode``, ``lease_s``, ``expires_after_s``: see :func:`open_guard`.
+
+    ``store``: a store object to run on instead of one opened at ``store_url`` (give one of
+    the two): ``python manage.py idemq worker`` passes a
+    :class:`~idemq.integrations.django.DjangoStore`, so the handler's ORM writes join the dedup
+    transaction. It is used as it is (:func:`guard_on`) and stays the caller's to close;
+    ``table``, ``prefix`` and ``expires_after_s`` configure a store opened here, so with
+    ``store`` they are refused (give them to the store). ``before_each``: called in the thread
+    that runs the next delivery (the next batch, batched), before its transaction begins;
+    ``manage.py idemq worker`` passes ``django.db.close_old_connections``, which Django
+    documents for code that runs outside its request cycle.
     """
     batch = None if batch_size is None else BatchSettings(batch_size, batch_wait_ms)
     if isinstance(handler, str):
@@ -248,8 +288,9 @@ def run_worker(
     else:
         check_handler(handler, getattr(handler, "__qualname__", repr(handler)))
         fn = handler
-    guard = open_guard(
+    guard, close_store, where = _worker_guard(
         store_url,
+        store,
         consumer or queue,
         table=table,
         prefix=prefix,
@@ -269,7 +310,7 @@ def run_worker(
         stop_metrics()
         if outbox_relay is not None:
             outbox_relay.close()
-        guard.store.close()
+        close_store()
         raise
     worker = Worker(
         fn,
@@ -281,7 +322,7 @@ def run_worker(
         policy=RetryPolicy(max_attempts=max_attempts),
         observer=guard.observer,
         description=(
-            f"broker={mask_url(broker_url)} queue={queue} store={mask_url(store_url)}"
+            f"broker={mask_url(broker_url)} queue={queue} store={where}"
             f" concurrency={concurrency} mode={guard.mode.value}"
             + ("" if batch is None else f" batch_size={batch.size} batch_wait_ms={batch.wait_ms}")
         ),
@@ -289,6 +330,7 @@ def run_worker(
         give_up_after_s=give_up_after_s,
         startup_give_up_after_s=_startup_budget_s(give_up_after_s),
         log_error_text=log_error_text,
+        before_each=before_each,
     )
     relay_thread = None if outbox_relay is None else _RelayThread(outbox_relay, worker)
     try:
@@ -302,10 +344,46 @@ def run_worker(
         if relay_thread is not None:
             relay_thread.stop()
         stop_metrics()
-        guard.store.close()
+        close_store()
     if relay_thread is not None and relay_thread.error is not None:
         raise relay_thread.error
     return stats
+
+
+def _worker_guard(
+    store_url: str | None,
+    store: Any,
+    consumer: str,
+    *,
+    table: str | None,
+    prefix: str | None,
+    mode: str | None,
+    lease_s: float | None,
+    expires_after_s: float | None,
+) -> tuple[idemq.Idempotency, Callable[[], None], str]:
+    """:func:`run_worker`'s guard, what closes its store when the worker stops, and the
+    store's name for the log: on the store opened at ``store_url``, or on ``store`` as it is
+    (its caller closes it)."""
+    if store_url is not None and store is None:
+        guard = open_guard(
+            store_url,
+            consumer,
+            table=table,
+            prefix=prefix,
+            mode=mode,
+            lease_s=lease_s,
+            expires_after_s=expires_after_s,
+        )
+        return guard, guard.store.close, mask_url(store_url)
+    if store is None or store_url is not None:
+        raise ConfigurationError("run_worker takes a store_url or a store, one of the two")
+    given = {"table": table, "prefix": prefix, "expires_after_s": expires_after_s}
+    if refused := [name for name, value in given.items() if value is not None]:
+        raise ConfigurationError(
+            f"{', '.join(refused)}: settings of the store itself; give them to {store!r}"
+        )
+    guard = guard_on(store, consumer, mode=mode, lease_s=lease_s)
+    return guard, lambda: None, store_label(store)
 
 
 def _startup_budget_s(give_up_after_s: float | None) -> float:
@@ -332,7 +410,7 @@ def _attempt_bound_s(left_s: float | None) -> float | None:
 
 def _open_relay(store: object, table: str, broker_url: str) -> idemq.OutboxRelay:
     """The relay of ``store``'s outbox ``table`` (with its own broker connection)."""
-    if not isinstance(store, idemq.SqlStore):
+    if not isinstance(store, SqlStoreAdmin):  # SqlStore, DjangoStore: a database with an engine
         raise ConfigurationError("--relay needs a SQL store: the outbox lives in its database")
     return idemq.OutboxRelay(idemq.Outbox(store, table=table), broker_url)
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from idemq.errors import ConfigurationError
+from idemq.stores.memory import MemoryStore
 from idemq.worker.executors import InlineExecutor, executor
-from idemq.worker.run import check_handler, load_handler
+from idemq.worker.run import check_handler, load_handler, run_worker
 
 HANDLERS = """
 import functools
@@ -100,3 +101,20 @@ def test_several_threads_make_a_named_pool():
         assert name.startswith("idemq-unit")
     finally:
         pool.shutdown()
+
+
+def _handle(msg: object, tx: object) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ({}, "a store_url or a store"),
+        ({"store_url": "sqlite://", "store": MemoryStore()}, "a store_url or a store"),
+        ({"store": MemoryStore(), "table": "t", "expires_after_s": 5.0}, "table, expires_after_s"),
+    ],
+)
+def test_the_worker_runs_on_a_store_url_or_a_store_object(where: dict[str, object], says: str):
+    with pytest.raises(ConfigurationError, match=says):
+        run_worker(_handle, broker_url="embedded:///nowhere.db", queue="q", **where)
