@@ -25,7 +25,7 @@ from sqlalchemy.sql import Executable
 from sqlalchemy.sql.compiler import Compiled
 
 from idemq._plan import drive
-from idemq.drivers.sql import Plan, Reply, Step, translate_db_error
+from idemq.drivers.sql import DriverStatement, Plan, Reply, Step, translate_db_error
 from idemq.outbox.outbox import IdTakenError, id_taken
 
 __all__ = ["CursorRunner", "driver_error", "wrap_driver_error"]
@@ -111,8 +111,13 @@ class CursorRunner:
         return drive(plan, execute)
 
     def execute(self, raw_connection: Any, step: Step) -> Reply:
-        """One statement: compiled, expanded, its values converted; every row read back."""
-        compiled = self.compiled(step.statement)
+        """One statement: compiled, expanded, its values converted; every row read back
+        (a plan's :class:`DriverStatement` is compiled here from its Core statement, with this
+        runner's dialect and its result processing)."""
+        statement = step.statement
+        if isinstance(statement, DriverStatement):
+            statement = statement.statement
+        compiled = self.compiled(statement)
         state = compiled.construct_expanded_state(dict(step.params))  # type: ignore[attr-defined]
         processors = state.processors
         values = {
@@ -128,7 +133,7 @@ class CursorRunner:
             if cursor.description is None:
                 return Reply((), cursor.rowcount)
             rows = cursor.fetchall()
-            return Reply(self._rows(step.statement, cursor.description, rows), cursor.rowcount)
+            return Reply(self._rows(statement, cursor.description, rows), cursor.rowcount)
         finally:
             cursor.close()
 
