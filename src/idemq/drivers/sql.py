@@ -73,6 +73,7 @@ __all__ = [
     "async_engine_from_url",
     "async_url",
     "begin",
+    "check_sqlite_transaction",
     "connection_lost",
     "discard_inherited_connections",
     "driver_reports_aborts",
@@ -80,7 +81,6 @@ __all__ = [
     "parse_url",
     "prepare_sqlite",
     "run",
-    "sqlite_transaction_lost",
     "sql_engine",
     "sync_url",
     "transaction_aborted",
@@ -206,7 +206,7 @@ def run(conn: Connection | Session, plan: Plan[T], doing: str) -> T:
     connection the driver reports lost is invalidated, and the pool replaced, so neither it nor
     its pool-mates opened before the outage are handed out again;
     on SQLite a statement is refused once SQLite ended the transaction by itself
-    (:func:`sqlite_transaction_lost`).
+    (:func:`check_sqlite_transaction`).
     """
     connection = conn.connection() if isinstance(conn, Session) else conn
     failures = (SQLAlchemyError, OSError, connection.dialect.loaded_dbapi.Error)
@@ -230,7 +230,7 @@ def _execute_on_cursor(
     sql, args = statement.bind(params)
     driver: Any = connection.connection.driver_connection
     if statement.sqlite:
-        sqlite_transaction_lost(connection, driver)
+        check_sqlite_transaction(connection, driver)
     dialect = connection.dialect
     cursor = driver.cursor()
     try:
@@ -638,11 +638,12 @@ def prepare_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "before_cursor_execute")
     def _still_in_transaction(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
         if not statement.startswith("BEGIN"):
-            sqlite_transaction_lost(conn, conn.connection.driver_connection)
+            check_sqlite_transaction(conn, conn.connection.driver_connection)
 
 
-def sqlite_transaction_lost(conn: Connection, driver_connection: Any) -> None:
-    """Refuse the next statement on SQLite's ``conn`` when SQLite ended its transaction by itself.
+def check_sqlite_transaction(conn: Connection, driver_connection: Any) -> None:
+    """Raise :class:`TransactionLostError` before a statement on SQLite's ``conn`` once SQLite
+    ended its transaction by itself.
 
     SQLite rolls a whole transaction back by itself on some errors (a conflict clause OR
     ROLLBACK, RAISE(ROLLBACK) in a trigger, a full disk). With the driver's own transaction
