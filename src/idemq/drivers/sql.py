@@ -70,6 +70,7 @@ __all__ = [
     "Step",
     "abegin",
     "arun",
+    "arun_step",
     "async_engine_from_url",
     "async_url",
     "begin",
@@ -81,6 +82,7 @@ __all__ = [
     "parse_url",
     "prepare_sqlite",
     "run",
+    "run_step",
     "sql_engine",
     "sync_url",
     "transaction_aborted",
@@ -209,19 +211,20 @@ def run(conn: Connection | Session, plan: Plan[T], doing: str) -> T:
     (:func:`check_sqlite_transaction`).
     """
     connection = conn.connection() if isinstance(conn, Session) else conn
-    failures = (SQLAlchemyError, OSError, connection.dialect.loaded_dbapi.Error)
+    return drive(plan, lambda step: run_step(connection, step, doing))
 
-    def execute(step: Step) -> Reply:
-        statement = step.statement
-        try:
-            if isinstance(statement, DriverStatement):
-                return _execute_on_cursor(connection, statement, step.params)
-            result = connection.execute(statement, step.params)
-            return Reply(result.all() if result.returns_rows else (), result.rowcount)
-        except failures as error:
-            raise translate_db_error(error, doing) from error
 
-    return drive(plan, execute)
+def run_step(connection: Connection, step: Step, doing: str) -> Reply:
+    r"""One :class:`Step` on ``connection``, as :func:`run` runs it (for callers whose plans
+    are not :data:`Plan`\ s: the outbox's add and its relay)."""
+    statement = step.statement
+    try:
+        if isinstance(statement, DriverStatement):
+            return _execute_on_cursor(connection, statement, step.params)
+        result = connection.execute(statement, step.params)
+        return Reply(result.all() if result.returns_rows else (), result.rowcount)
+    except (SQLAlchemyError, OSError, connection.dialect.loaded_dbapi.Error) as error:
+        raise translate_db_error(error, doing) from error
 
 
 def _execute_on_cursor(
@@ -262,26 +265,29 @@ async def arun(conn: AsyncConnection | AsyncSession, plan: Plan[T], doing: str) 
     ``AsyncConnection.exec_driver_sql`` (compiled once all the same).
     """
     connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
-    dialect = connection.dialect
-    on_cursor = dialect.driver == "psycopg"
-    failures = (SQLAlchemyError, OSError, dialect.loaded_dbapi.Error)
 
     async def execute(step: Step) -> Reply:
-        statement = step.statement
-        try:
-            if isinstance(statement, DriverStatement):
-                if on_cursor:
-                    return await _aexecute_on_cursor(connection, statement, step.params)
-                result = await connection.exec_driver_sql(*statement.bind(step.params))
-                if not result.returns_rows:
-                    return Reply((), result.rowcount)
-                return Reply(statement.rows(result.keys, result.all()), result.rowcount)
-            result = await connection.execute(statement, step.params)
-            return Reply(result.all() if result.returns_rows else (), result.rowcount)
-        except failures as error:
-            raise translate_db_error(error, doing) from error
+        return await arun_step(connection, step, doing)
 
     return await adrive(plan, execute)
+
+
+async def arun_step(connection: AsyncConnection, step: Step, doing: str) -> Reply:
+    """:func:`run_step` on an ``AsyncConnection``, as :func:`arun` runs a step."""
+    statement = step.statement
+    dialect = connection.dialect
+    try:
+        if isinstance(statement, DriverStatement):
+            if dialect.driver == "psycopg":
+                return await _aexecute_on_cursor(connection, statement, step.params)
+            result = await connection.exec_driver_sql(*statement.bind(step.params))
+            if not result.returns_rows:
+                return Reply((), result.rowcount)
+            return Reply(statement.rows(result.keys, result.all()), result.rowcount)
+        result = await connection.execute(statement, step.params)
+        return Reply(result.all() if result.returns_rows else (), result.rowcount)
+    except (SQLAlchemyError, OSError, dialect.loaded_dbapi.Error) as error:
+        raise translate_db_error(error, doing) from error
 
 
 async def _aexecute_on_cursor(

@@ -13,14 +13,22 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import Connection, Dialect, Engine, TextClause
+from sqlalchemy import Connection, Dialect, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from idemq._clock import system_clock_ms
 from idemq._plan import Plan, adrive, drive
-from idemq.drivers.sql import driver_reports_aborts, transaction_aborted, translate_db_error
+from idemq.drivers.sql import (
+    Reply,
+    Step,
+    arun_step,
+    driver_reports_aborts,
+    run_step,
+    transaction_aborted,
+    translate_db_error,
+)
 from idemq.errors import ConfigurationError, InvalidInputError, StoreError, TransactionLostError
 from idemq.outbox.ids import derived_ids, next_outbox_id
 from idemq.outbox.schema import (
@@ -39,8 +47,6 @@ MAX_KEY_LENGTH = 128
 MAX_DESTINATION_LENGTH = 255
 MAX_GENERATIONS = 1000  # runs of one message whose rows are all still there: not a real case
 MYSQL_DUPLICATE_KEY = 1062
-
-Step = tuple[TextClause, dict[str, Any]]
 
 
 def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
@@ -82,19 +88,19 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
     if message_id is not None:
         if not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_KEY_LENGTH:
             raise InvalidInputError(f"outbox message_id must be 1..128 characters: {message_id!r}")
-        if (yield sql.has_id, {"id": message_id}).first() is None:
+        if not (yield Step(sql.has_id, {"id": message_id})).rows:
             # A racing add of the same id that committed first: it is there, once.
             with contextlib.suppress(IdTakenError):
-                yield statement, {**params, "id": message_id}
+                yield Step(statement, {**params, "id": message_id})
         return message_id
     candidates = derived_ids()
     if candidates is None:  # outside a handler: a fresh id of this process
         fresh = next_outbox_id()
-        yield statement, {**params, "id": fresh}
+        yield Step(statement, {**params, "id": fresh})
         return fresh
     for candidate in itertools.islice(candidates, MAX_GENERATIONS):
         try:
-            reply = yield statement, {**params, "id": candidate}
+            reply = yield Step(statement, {**params, "id": candidate})
         except IdTakenError:
             continue
         if reply.rowcount:
@@ -107,10 +113,21 @@ class IdTakenError(StoreError):
     row count of 0): thrown into :func:`add_plan`, never raised to the caller."""
 
 
-def id_taken(exc: DBAPIError) -> bool:
-    """Whether ``exc`` is MySQL/MariaDB's duplicate key (1062): the INSERT's id is taken."""
-    args: tuple[Any, ...] = getattr(exc.orig, "args", ())
-    return isinstance(exc, IntegrityError) and bool(args) and args[0] == MYSQL_DUPLICATE_KEY
+def id_taken(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (SQLAlchemy's or the driver's own) is MySQL/MariaDB's duplicate key
+    (1062): the INSERT's id is taken."""
+    if isinstance(exc, DBAPIError):
+        orig: BaseException | None = exc.orig if isinstance(exc, IntegrityError) else None
+    else:
+        orig = exc if any(c.__name__ == "IntegrityError" for c in type(exc).__mro__) else None
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    return bool(args) and args[0] == MYSQL_DUPLICATE_KEY
+
+
+def _taken_or_failed(error: StoreError) -> StoreError:
+    """A failed INSERT of the add: :class:`IdTakenError` when its id was taken, else ``error``
+    (the driver's error translated)."""
+    return IdTakenError(str(error.__cause__)) if id_taken(error.__cause__) else error
 
 
 class OutboxBase:
@@ -132,8 +149,9 @@ class OutboxBase:
         """The outbox tables' DDL for ``dialect``."""
         return ddl(dialect, self.table)
 
-    def _failed(self, exc: DBAPIError) -> Exception:
-        return translate_db_error(exc, f"outbox add to {self.table}")
+    @property
+    def doing_add(self) -> str:
+        return f"outbox add to {self.table}"
 
     def _check_not_aborted(self, driver_connection: Any) -> None:
         # A handler that caught a failed statement without a savepoint of its own leaves
@@ -240,18 +258,13 @@ class Outbox(OutboxBase):
             message_id,
         )
 
-        def execute(step: Step) -> Any:
+        def execute(step: Step) -> Reply:
             try:
-                return conn.execute(*step)
-            except DBAPIError as exc:
-                if id_taken(exc):
-                    raise IdTakenError(str(exc.orig)) from exc
-                raise
+                return run_step(conn, step, self.doing_add)
+            except StoreError as error:
+                raise _taken_or_failed(error) from error.__cause__
 
-        try:
-            return drive(plan, execute)
-        except DBAPIError as exc:
-            raise self._failed(exc) from exc
+        return drive(plan, execute)
 
 
 class AsyncOutbox(OutboxBase):
@@ -315,18 +328,13 @@ class AsyncOutbox(OutboxBase):
             message_id,
         )
 
-        async def execute(step: Step) -> Any:
+        async def execute(step: Step) -> Reply:
             try:
-                return await conn.execute(*step)
-            except DBAPIError as exc:
-                if id_taken(exc):
-                    raise IdTakenError(str(exc.orig)) from exc
-                raise
+                return await arun_step(conn, step, self.doing_add)
+            except StoreError as error:
+                raise _taken_or_failed(error) from error.__cause__
 
-        try:
-            return await adrive(plan, execute)
-        except DBAPIError as exc:
-            raise self._failed(exc) from exc
+        return await adrive(plan, execute)
 
 
 def _sync_connection(conn_or_session: Any) -> Connection:

@@ -93,20 +93,18 @@ class CursorRunner:
         return drive(plan, execute)
 
     def run_steps(self, raw_connection: Any, plan: Any, doing: str) -> Any:
-        """Carry out a plan of ``(statement, params)`` steps that reads each reply's
-        ``first()`` row and ``rowcount`` (the outbox's add plan); a duplicate key on
-        MariaDB/MySQL is thrown into the plan as the outbox's :class:`IdTakenError`, as
-        :meth:`idemq.Outbox.add` does (an id a racing or earlier add already holds)."""
+        """:meth:`run` for the outbox's add plan: a duplicate key on MariaDB/MySQL is thrown
+        into the plan as the outbox's :class:`IdTakenError`, as :meth:`idemq.Outbox.add` does
+        (an id a racing or earlier add already holds)."""
 
-        def execute(step: tuple[Executable, Any]) -> _Rows:
+        def execute(step: Step) -> Reply:
             try:
-                reply = self.execute(raw_connection, Step(*step))
+                return self.execute(raw_connection, step)
             except self.dbapi.Error as error:
                 wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
                 if id_taken(wrapped):
                     raise IdTakenError(str(error)) from error
                 raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
-            return _Rows(reply.rows, reply.rowcount)
 
         return drive(plan, execute)
 
@@ -165,18 +163,6 @@ class CursorRunner:
         if isinstance(type_, sa.JSON) and processor is None:
             return _json_text
         return processor or _same
-
-
-class _Rows(list[Any]):
-    """Rows with what of SQLAlchemy's ``Result`` the outbox's plan reads: ``first()`` and
-    ``rowcount`` (0 when an ``ON CONFLICT DO NOTHING`` found the id taken)."""
-
-    def __init__(self, rows: Any, rowcount: int) -> None:
-        super().__init__(rows)
-        self.rowcount = rowcount
-
-    def first(self) -> Any:
-        return self[0] if self else None
 
 
 def _same(value: Any) -> Any:
