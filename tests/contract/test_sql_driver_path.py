@@ -174,3 +174,28 @@ def test_a_drivers_own_errors_are_translated_like_sqlalchemys(tmp_path: Any) -> 
     closed = _raw_error(lambda: mysql.cursor().execute("SELECT 1"))
     assert isinstance(translate_db_error(closed, "claim"), idemq.StoreUnavailableError)
     assert "password" not in str(translate_db_error(no_table, "read"))
+
+
+def test_sqlite_begin_that_finds_the_write_lock_taken_is_a_conflict(tmp_path: Any) -> None:
+    # BEGIN IMMEDIATE goes to the driver's cursor from SQLAlchemy's begin event, where
+    # SQLAlchemy does not wrap its error: begin() translates sqlite3's own.
+    path = tmp_path / "busy.db"
+    store = idemq.SqlStore(f"sqlite:///{path}", table=unique("drv"))
+    store.create_schema()
+    store.engine.dispose()
+
+    @sa.event.listens_for(store.engine, "connect")
+    def no_waiting(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.execute("PRAGMA busy_timeout = 0")
+
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(idemq.StoreConflictError) as raised:
+            idemq.Idempotency(store, consumer="c").process("M1", lambda tx: None)
+        assert isinstance(raised.value.__cause__, sqlite3.OperationalError)
+    finally:
+        holder.rollback()
+        holder.close()
+        store.drop_schema()
+        store.close()

@@ -511,7 +511,7 @@ def begin(engine: Engine, where: str) -> Iterator[Connection]:
                 doing, raised = "rollback", body_error
                 raise
             _check_still_open(conn.in_transaction(), where)
-    except (SQLAlchemyError, OSError) as error:
+    except (SQLAlchemyError, OSError, engine.dialect.loaded_dbapi.Error) as error:
         if error is raised:
             raise
         raise translate_db_error(error, f"{doing} on {where}") from error
@@ -542,7 +542,7 @@ async def abegin(engine: AsyncEngine, where: str) -> AsyncIterator[AsyncConnecti
                 doing, raised = "rollback", body_error
                 raise
             _check_still_open(conn.in_transaction(), where)
-    except (SQLAlchemyError, OSError) as error:
+    except (SQLAlchemyError, OSError, engine.dialect.loaded_dbapi.Error) as error:
         if error is raised:
             raise
         raise translate_db_error(error, f"{doing} on {where}") from error
@@ -639,12 +639,18 @@ def prepare_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # On the DBAPI cursor, not exec_driver_sql: no execution context nor statement events
+        # for a statement every transaction sends. SQLAlchemy does not wrap an error raised
+        # here, so begin()/abegin() translate the driver's own error.
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute("BEGIN IMMEDIATE")
+        finally:
+            cursor.close()
 
     @event.listens_for(engine, "before_cursor_execute")
-    def _still_in_transaction(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
-        if not statement.startswith("BEGIN"):
-            check_sqlite_transaction(conn, conn.connection.driver_connection)
+    def _still_in_transaction(conn: Connection, *_args: Any) -> None:
+        check_sqlite_transaction(conn, conn.connection.driver_connection)
 
 
 def check_sqlite_transaction(conn: Connection, driver_connection: Any) -> None:
