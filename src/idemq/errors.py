@@ -19,6 +19,8 @@ public API: they are translated at the boundary and kept as ``__cause__``.
     │   ├── StoreUnavailableError               … because it could not be reached or timed out
     │   ├── StoreConfigurationError             … it refused this setup: login, database, table
     │   │                                           (also a ConfigurationError)
+    │   ├── StoreIntegrityError                 … a write broke a constraint of the table
+    │   │   └── DuplicateKeyError               … its key was taken (another writer came first)
     │   └── StoreConflictError                  … a transient conflict (deadlock); safe to retry
     │       └── TransactionLostError            the dedup row is not in what would commit
     ├── LeaseLostError                          a lease expired and another worker took over
@@ -40,6 +42,7 @@ __all__ = [
     "BrokerUnavailableError",
     "ClockMovedBackwardsError",
     "ConfigurationError",
+    "DuplicateKeyError",
     "IdemqError",
     "InvalidBusinessIdError",
     "InvalidInputError",
@@ -53,6 +56,7 @@ __all__ = [
     "StoreConfigurationError",
     "StoreConflictError",
     "StoreError",
+    "StoreIntegrityError",
     "StoreUnavailableError",
     "TransactionLostError",
     "UnknownEventError",
@@ -138,6 +142,22 @@ class StoreConfigurationError(StoreError, ConfigurationError):
     Not an outage: the same settings fail the same way however often they are retried, so the
     CLI exits 2 with one line instead of 4. Not the message's fault either: a running worker
     retries the message without counting the attempt, until the setup is fixed.
+    """
+
+
+class StoreIntegrityError(StoreError):
+    """The database refused a write that breaks a constraint of its table (a unique key, a
+    NOT NULL column).
+
+    Not an outage and not a conflict: the same statement fails the same way when run again.
+    """
+
+
+class DuplicateKeyError(StoreIntegrityError):
+    """An INSERT found its key taken: another writer inserted the same key first.
+
+    idemq's own inserts that can race (a node lease, an id reservation, a derived outbox id)
+    catch it and read the winner's row instead.
     """
 
 

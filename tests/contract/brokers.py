@@ -24,7 +24,12 @@ import sqlalchemy as sa
 
 from idemq import Idempotency
 from idemq.brokers import open_broker
-from idemq.brokers.base import DEAD_LETTER_QUEUE_HEADER, DEAD_LETTER_REASON_HEADER, Broker
+from idemq.brokers.base import (
+    DEAD_LETTER_QUEUE_HEADER,
+    DEAD_LETTER_REASON_HEADER,
+    Broker,
+    Delivery,
+)
 from idemq.brokers.settlement import RetryPolicy, Verdict
 from idemq.message import Message
 from idemq.worker.loop import Worker
@@ -89,6 +94,34 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)
+
+
+def first_delivery(stream: Iterator[Delivery | None], timeout_s: float) -> Delivery:
+    """The next delivery ``stream`` hands out within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        delivery = next(stream)
+        if delivery is not None:
+            return delivery
+    raise AssertionError(f"no delivery within {timeout_s}s")
+
+
+def dead_letter_refused_comes_back(
+    consumer: Broker, admin: Broker, queue: str, remove_dead_letter_destination: Callable[[], None]
+) -> None:
+    """The dead-letter rule of every adapter: when the dead-letter destination is removed while
+    ``consumer`` runs, the copy is refused and the original comes back to ``queue`` (not
+    settled away, gone from both places), as it was: same id, body and attempt."""
+    stream = consumer.consume(queue, prefetch=1)
+    assert next(stream) is None  # declared: the queue and its dead-letter destination
+    remove_dead_letter_destination()
+    admin.publish(queue, b"poison", message_id=f"P_{queue}")
+    first_delivery(stream, 20).dead_letter("invalid_message: test").result(timeout=20)
+    again = first_delivery(stream, 20)
+    assert again.message is not None
+    assert (again.message.id, again.body, again.delivery_attempt) == (f"P_{queue}", b"poison", 1)
+    again.ack().result(timeout=20)
+    stream.close()
 
 
 class Running:

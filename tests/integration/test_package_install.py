@@ -1,6 +1,7 @@
 """The package installs: ``python -m build`` makes an sdist and a wheel (built from that sdist),
-the wheel holds every file of the ``idemq`` package, and in a fresh venv without the dev extras
-``idemq demo`` runs and each extra's modules import once ``idemq[extras]`` is installed from it.
+the wheel holds every file of the ``idemq`` package; in a fresh venv without any extra the worker
+and store commands work and ``idemq chaos`` names the extra it needs; once ``idemq[extras]`` is
+installed from the wheel each extra's modules import and ``idemq demo`` runs.
 
 Slow (a build and a venv): about a minute with pip's cache warm.
 """
@@ -47,6 +48,7 @@ EXTRA_MODULES: dict[str, list[str]] = {
     ],
     # Django's app needs a settings module to import; the driver itself is what the extra adds.
     "django": ["django"],
+    "chaos": ["rich", "idemq.chaos.console", "idemq.chaos.demo"],
 }
 # Extras that only group others or serve the project's own work, not a user's import.
 NOT_A_FEATURE = {"all", "dev", "docs", "bench"}
@@ -117,11 +119,24 @@ def test_the_wheel_installs_without_dev_extras_and_each_extra_imports(tmp_path: 
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip().startswith(str(venv)), where.stdout
 
-    # The demo needs no server and no extra: the first command a newcomer runs.
-    demo = _run([idemq, "demo", "--orders", "30", "--workers", "2", "--json"], tmp_path)
-    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
-    assert '"ok": true' in demo.stdout, demo.stdout[-3000:]
-    assert '"double_paid": 0' in demo.stdout, demo.stdout[-3000:]
+    # The core install: a worker and the store commands, in plain text (rich is the lab's).
+    absent = _run([python, "-c", IMPORT_ALL, "rich"], tmp_path)
+    assert absent.returncode != 0, "rich is installed without the chaos extra"
+    for command in ("worker", "stats", "relay", "inspect", "purge", "schema", "publish"):
+        helped = _run([idemq, command, "--help"], tmp_path)
+        assert helped.returncode == 0, (command, helped.stderr[-3000:])
+        assert f"usage: idemq {command}" in helped.stdout, helped.stdout
+    store = f"sqlite:///{tmp_path / 'core.db'}"
+    created = _run([idemq, "schema", "--store", store], tmp_path)
+    assert created.returncode == 0, created.stderr[-3000:]
+    stats = _run([idemq, "stats", "--store", store], tmp_path)
+    assert stats.returncode == 0, stats.stderr[-3000:]
+    assert "processed" in stats.stdout, stats.stdout
+    # The lab's commands say which extra they need, before touching anything.
+    for argv in (["chaos", "--broker", "embedded:///q.db", "--store", store], ["demo"]):
+        refused = _run([idemq, *argv], tmp_path)
+        assert refused.returncode == 2, (argv, refused.stdout, refused.stderr)
+        assert "pip install 'idemq[chaos]'" in refused.stderr, refused.stderr
 
     # Without its extra a driver is absent: the checks below can fail.
     absent = _run([python, "-c", IMPORT_ALL, *EXTRA_MODULES["postgres"]], tmp_path)
@@ -139,3 +154,9 @@ def test_the_wheel_installs_without_dev_extras_and_each_extra_imports(tmp_path: 
         if done.returncode != 0:
             failed[extra] = done.stderr.strip().splitlines()[-1:]
     assert not failed, failed
+
+    # The demo needs no server: the first command a newcomer runs (README: `.[chaos]`).
+    demo = _run([idemq, "demo", "--orders", "30", "--workers", "2", "--json"], tmp_path)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    assert '"ok": true' in demo.stdout, demo.stdout[-3000:]
+    assert '"double_paid": 0' in demo.stdout, demo.stdout[-3000:]

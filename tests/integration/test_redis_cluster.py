@@ -108,6 +108,40 @@ def test_an_async_store_reaches_every_master_too(redis_cluster: RedisCluster) ->
     assert asyncio.run(scenario()) == (60, 0)  # PROCESSING records are never purged
 
 
+def flush_scripts(cluster: RedisCluster) -> None:
+    for master in cluster.masters():
+        client = master.client()
+        client.script_flush()
+        client.close()
+
+
+def test_a_flushed_script_cache_on_every_master_costs_no_message(
+    store: idemq.RedisStore, redis_cluster: RedisCluster
+) -> None:
+    # EVALSHA goes to the master of its key's slot; when that master lost its scripts (a
+    # restart, a failover to a replica that never ran them), the same call goes as EVAL there.
+    import asyncio  # noqa: PLC0415
+
+    ids = [f"F{i:02d}" for i in range(30)]  # spread over every master
+    guard = idemq.Idempotency(store, consumer=CONSUMER, mode="lease", lease_s=30)
+    flush_scripts(redis_cluster)
+    assert [guard.process(m, lambda tx: 1).status for m in ids] == [idemq.Status.PROCESSED] * 30
+    flush_scripts(redis_cluster)
+    assert [guard.process(m, lambda tx: 2).status for m in ids] == [idemq.Status.DUPLICATE] * 30
+
+    async def scenario() -> list[idemq.Status]:
+        astore = idemq.AsyncRedisStore(redis_cluster.url, prefix=store.prefix, ttl_s=600)
+        aguard = idemq.AsyncIdempotency(astore, consumer=CONSUMER, mode="lease", lease_s=30)
+        try:
+            flush_scripts(redis_cluster)
+            return [(await aguard.process(m, lambda tx: 3)).status for m in ids]
+        finally:
+            await astore.close()
+
+    assert asyncio.run(scenario()) == [idemq.Status.DUPLICATE] * 30
+    assert {r.result for m in ids if (r := store.get(m, CONSUMER))} == {"1"}
+
+
 def test_a_plain_client_on_a_cluster_node_is_told_so(redis_cluster: RedisCluster) -> None:
     node = redis_cluster.masters()[0]
     plain = redis.Redis(host="127.0.0.1", port=node.port)

@@ -163,9 +163,9 @@ def test_restart_mid_run(
 async def test_flushed_script_cache_is_reloaded(
     spawn_server: Callable[[bool], RedisServer], effects: tuple[redis.Redis, str]
 ) -> None:
-    # The stores run their scripts as redis-py Script objects (EVALSHA); SCRIPT FLUSH (or a
-    # failover to a replica that never saw the scripts) must cost one SCRIPT LOAD, not a failed
-    # message — sync and async alike.
+    # The stores run their scripts by EVALSHA; SCRIPT FLUSH (or a failover to a replica that
+    # never saw the scripts) must cost one EVAL of the source, not a failed message — sync and
+    # async alike, the complete script as well as the claim.
     client, name = effects
     server = spawn_server(False)
     url = f"redis://127.0.0.1:{server.port}/0"

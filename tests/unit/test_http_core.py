@@ -11,6 +11,7 @@ import pytest
 from idemq import AsyncSqlStore, SqlStore
 from idemq.errors import ConfigurationError, InvalidMessageError, InvalidMessageIdError
 from idemq.guard.core import MAX_MESSAGE_ID_CHARS, validate_message_id
+from idemq.integrations._inflight import LOCK_SPACE, lock_pauses, try_lock_sql
 from idemq.integrations.asgi import IdempotencyKeyMiddleware
 from idemq.integrations.http import (
     DEFAULT_STORED_STATUSES,
@@ -213,6 +214,32 @@ def test_middleware_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="100-499"):
         IdempotencyKeyMiddleware(app, store=store, stored_statuses=[503])
     transactional = IdempotencyKeyMiddleware(app, store=store)
-    assert transactional.owns_transaction
-    assert not IdempotencyKeyMiddleware(app, store=store, wait_s=None).owns_transaction
-    assert not IdempotencyKeyMiddleware(app, store=store, mode="lease").owns_transaction
+    assert transactional.owns_connection
+    assert not IdempotencyKeyMiddleware(app, store=store, wait_s=None).owns_connection
+    assert not IdempotencyKeyMiddleware(app, store=store, mode="lease").owns_connection
+
+
+def test_the_in_flight_lock_is_one_per_key_in_a_space_of_its_own() -> None:
+    statement = try_lock_sql("http", "*:order-1")
+    assert statement == try_lock_sql("http", "*:order-1")  # every process finds the same lock
+    assert statement.startswith(f"SELECT pg_try_advisory_xact_lock({LOCK_SPACE}, ")
+    key = int(statement.rsplit(", ", 1)[1].rstrip(")"))
+    assert -(2**31) <= key < 2**31  # the two-int form's second int
+    assert statement != try_lock_sql("http", "*:order-2")
+    assert statement != try_lock_sql("webhooks", "*:order-1")
+
+
+def test_a_taken_lock_is_tried_again_backing_off_until_wait_s() -> None:
+    clock = [100.0]
+
+    def now() -> float:
+        return clock[0]
+
+    assert list(lock_pauses(0, now)) == []  # wait_s=0: a taken lock is a 409 at once
+    pauses = []
+    for pause_s in lock_pauses(1.0, now):
+        pauses.append(pause_s)
+        clock[0] += pause_s
+    assert pauses[:3] == [0.01, 0.02, 0.04]
+    assert max(pauses) == 0.25
+    assert sum(pauses) == pytest.approx(1.0)

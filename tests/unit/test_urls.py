@@ -1,11 +1,11 @@
-"""mask_url: the one masker of every URL idemq logs or puts in an error message."""
+"""mask_url: the one masker of every URL idemq logs or puts in an error message; is_redis_url."""
 
 from __future__ import annotations
 
 import pytest
 
 from idemq.brokers import base as brokers_base
-from idemq.drivers.urls import mask_url
+from idemq.drivers.urls import is_redis_url, mask_url
 
 
 @pytest.mark.parametrize(
@@ -62,3 +62,18 @@ def test_the_user_is_shown_whether_or_not_a_password_follows(
     user = without_password.split("//")[1].split("@", maxsplit=1)[0]
     assert f"//{user}:***@" in mask_url(with_password)
     assert f"//{user}@" in mask_url(without_password)
+
+
+@pytest.mark.parametrize(
+    ("url", "redis"),
+    [
+        ("redis://localhost:6379/0", True),
+        ("REDISS://:pw@host/1", True),
+        ("unix:///run/redis.sock", True),
+        ("postgresql+psycopg://u@h/db", False),
+        ("sqlite:///redis.db", False),
+        ("redis", False),
+    ],
+)
+def test_a_redis_url_is_told_apart_from_an_sqlalchemy_url(url: str, redis: bool) -> None:
+    assert is_redis_url(url) is redis

@@ -30,7 +30,7 @@ from idemq.errors import BrokerError, BrokerUnavailableError
 
 T = TypeVar("T")
 
-__all__ = ["Inbox", "LoopThread", "AckQueue"]
+__all__ = ["AckQueue", "Inbox", "LoopBroker", "LoopThread"]
 
 log = logging.getLogger("idemq.brokers")
 
@@ -227,6 +227,50 @@ class AckQueue:
         )
         error.__cause__ = exc
         return error
+
+
+class LoopBroker:
+    """What the adapters of async clients (RabbitMQ, NATS) share: their loop thread, their
+    :class:`AckQueue`, and the worker thread's doors onto both.
+
+    ``name`` labels errors and the thread; ``driver_errors`` are the client's exceptions that
+    mean the broker is unreachable (raised as :class:`~idemq.errors.BrokerUnavailableError`);
+    ``call_timeout_s`` bounds each blocking hop to the loop; ``confirm`` is the AckQueue's.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        driver_errors: tuple[type[BaseException], ...],
+        call_timeout_s: float,
+        confirm: Action | None = None,
+    ) -> None:
+        self._name = name
+        self._driver_errors = driver_errors
+        self._call_timeout_s = call_timeout_s
+        self._loop = LoopThread(f"idemq-{name.lower()}")
+        self._settler = AckQueue(self._loop, name, confirm)
+
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coro`` on the loop and wait, the client's errors translated."""
+        try:
+            return self._loop.run(coro, self._call_timeout_s)
+        except self._driver_errors as exc:
+            raise BrokerUnavailableError(f"{self._name}: {type(exc).__name__}: {exc}") from exc
+
+    def settle(self, coro: Coroutine[Any, Any, object]) -> None:
+        """Run a settlement coroutine on the loop and wait, translating driver errors."""
+        self._call(coro)
+
+    def settle_soon(self, action: Action, *, hold: bool = False) -> Future[None]:
+        """Queue a settlement on the loop (see :class:`AckQueue`); do not wait."""
+        return self._settler.submit(action, hold=hold)
+
+    def settle_later(self, delay_s: float, action: Action) -> None:
+        """Run ``action`` on the loop after ``delay_s``; the message stays unacked (invisible)
+        until then."""
+        self._loop.call_later(delay_s, action)
 
 
 class _FlushingFuture(Future[None]):

@@ -15,6 +15,7 @@ Streams: one ``XACK`` for a whole batch); the default settles them one by one.
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ from idemq.message import BUSINESS_ID_HEADER, MESSAGE_ID_HEADER, Message
 __all__ = [
     "ATTEMPT_HEADER",
     "DEAD_LETTER_ATTEMPTS_HEADER",
+    "DEAD_LETTER_HEADERS",
     "DEAD_LETTER_QUEUE_HEADER",
     "DEAD_LETTER_REASON_HEADER",
     "Ack",
@@ -44,6 +46,7 @@ __all__ = [
     "Retry",
     "Settlement",
     "BROKER_MESSAGE_ID",
+    "Traits",
     "check_declare_mode",
     "dead_letter_headers",
     "decode",
@@ -57,10 +60,22 @@ __all__ = [
 DEAD_LETTER_REASON_HEADER = "idemq-dead-letter-reason"
 DEAD_LETTER_QUEUE_HEADER = "idemq-original-queue"
 DEAD_LETTER_ATTEMPTS_HEADER = "idemq-delivery-attempts"
+# What a dead letter carries beside the original headers: why, from where, after how many tries.
+DEAD_LETTER_HEADERS = (
+    DEAD_LETTER_REASON_HEADER,
+    DEAD_LETTER_QUEUE_HEADER,
+    DEAD_LETTER_ATTEMPTS_HEADER,
+)
 # idemq's own attempt number, carried by the copy a counted retry re-publishes (see
 # settlement.Retry), and when that copy is due. Adapters take both out of the headers they hand on.
 ATTEMPT_HEADER = "idemq-delivery-attempt"
 NOT_BEFORE_HEADER = "idemq-not-before-ms"
+
+# A dead letter whose copy failed goes back to its queue for this long before it is tried again:
+# the destination is often gone for a while (deleted, full), and at once would be a hot loop.
+DEAD_LETTER_REQUEUE_S = 2.0
+
+log = logging.getLogger("idemq.brokers")
 
 
 def _count(text: str | None) -> int | None:
@@ -176,6 +191,23 @@ def dead_letter_headers(
 
 
 @dataclass(frozen=True, slots=True)
+class Traits:
+    """What an adapter declares about itself (its class's ``TRAITS``), so that adding a broker
+    touches its own module and one line of :data:`idemq.brokers.SCHEMES`, no other table.
+
+    ``topology_options``: it takes ``?declare=`` and ``?dead_letter=`` (it has queues, streams
+    or topics to declare). ``connect_timeout``: it takes ``?connect_timeout_ms=`` (its client's
+    connect can outlast a short outage budget). ``redelivery_timers``: the URL query parameters
+    that set how long an unsettled message stays away before the broker delivers it again, each
+    with its unit's factor from seconds (none: the timer is the server's, not the client's).
+    """
+
+    topology_options: bool = False
+    connect_timeout: bool = False
+    redelivery_timers: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Received:
     """The broker-independent part of a delivery, as every adapter builds it.
 
@@ -279,6 +311,13 @@ class Delivery(abc.ABC):
         self._mark("dead_letter")
         return _future(self._dead_letter(reason))
 
+    def dead_letter_copy_headers(self, reason: str) -> dict[str, str]:
+        """The headers of the dead-letter copy: the original ones plus
+        :data:`DEAD_LETTER_HEADERS`."""
+        return dead_letter_headers(
+            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
+        )
+
     def settle(self, settlement: Settlement) -> Future[None]:
         """Apply a decision of :func:`decide` (see :meth:`ack` for the future)."""
         if isinstance(settlement, Ack):
@@ -313,8 +352,40 @@ class Delivery(abc.ABC):
     @abc.abstractmethod
     def _retry(self, delay_s: float, counted: bool) -> Future[None] | None: ...
 
-    @abc.abstractmethod
-    def _dead_letter(self, reason: str) -> Future[None] | None: ...
+    def _dead_letter(self, reason: str) -> Future[None] | None:
+        """Copy to the dead-letter destination first, then settle the original; requeue it
+        when the copy fails.
+
+        The order is what keeps a poison message from being lost: a crash between the two
+        steps leaves it in both places (dead-lettered twice, never lost), and a copy the broker
+        did not confirm (a deleted or full destination, an outage) leaves the original to come
+        back after :data:`DEAD_LETTER_REQUEUE_S`, rather than unsettled (holding a prefetch slot
+        or a partition's commit for good) or acked (gone from both places). An adapter whose
+        broker moves a message atomically overrides this (Redis Streams' MULTI, the embedded
+        broker's one SQLite transaction).
+        """
+        try:
+            self._copy_to_dead_letter(self.dead_letter_copy_headers(reason))
+        except BrokerError as exc:
+            log.warning(
+                "dead-lettering %s failed, requeued: %s: %s",
+                self.describe(),
+                type(exc).__name__,
+                exc,
+            )
+            return self._retry(DEAD_LETTER_REQUEUE_S, False)
+        return self._drop_dead()
+
+    def _drop_dead(self) -> Future[None] | None:
+        """Settle the original once its dead-letter copy is confirmed: an ack, unless the broker
+        has a settlement of its own for it (NATS' TERM)."""
+        return self._ack()
+
+    def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
+        """Publish a copy of this message with ``headers`` to its dead-letter destination and
+        wait for the broker's confirm; raise :class:`~idemq.errors.BrokerError` if it did not
+        confirm. Every adapter that uses the :meth:`_dead_letter` template provides it."""
+        raise NotImplementedError(f"{type(self).__name__} moves dead letters its own way")
 
 
 def settle_all(pairs: Sequence[tuple[Delivery, Settlement]]) -> list[Future[None]]:

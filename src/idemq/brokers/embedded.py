@@ -23,13 +23,14 @@ import json
 import logging
 import sqlite3
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import ClassVar
 from urllib.parse import parse_qs, urlsplit
 
-from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
+from idemq._clock import Clock, system_clock_ms
+from idemq.brokers.base import Delivery, Received, Traits, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["EmbeddedBroker"]
@@ -50,12 +51,10 @@ CREATE INDEX IF NOT EXISTS idemq_queue_ready ON idemq_queue (queue, visible_at_m
 """
 
 
-def _system_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 class EmbeddedBroker:
     """SQLite-file queue with visibility timeout, attempts counter and a dead-letter queue."""
+
+    TRAITS: ClassVar[Traits] = Traits(redelivery_timers=(("visibility_timeout_s", 1),))
 
     def __init__(
         self,
@@ -63,7 +62,7 @@ class EmbeddedBroker:
         *,
         visibility_timeout_s: float = 30.0,
         poll_interval_s: float = 0.05,
-        clock_ms: Callable[[], int] = _system_clock_ms,
+        clock_ms: Clock = system_clock_ms,
     ) -> None:
         self.path = Path(path)
         self.visibility_timeout_ms = int(visibility_timeout_s * 1000)
@@ -242,9 +241,9 @@ class EmbeddedDelivery(Delivery):
         )
 
     def _dead_letter(self, reason: str) -> None:
-        headers = dead_letter_headers(
-            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
-        )
+        # One SQLite transaction moves it (the base's copy-then-settle is for brokers that
+        # cannot), and only while this consumer still holds the receipt.
+        headers = self.dead_letter_copy_headers(reason)
         dlq = self._broker.dead_letter_queue(self.queue)
         self._apply(
             "dead_letter",

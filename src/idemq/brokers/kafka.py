@@ -30,21 +30,21 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 import confluent_kafka
 import confluent_kafka.admin
 from confluent_kafka.admin import AdminClient
 
+from idemq._clock import Clock, system_clock_ms
 from idemq.brokers.base import (
     Delivery,
     Received,
+    Traits,
     check_declare_mode,
-    dead_letter_headers,
     header_text,
     outgoing_headers,
 )
@@ -56,10 +56,6 @@ log = logging.getLogger("idemq.brokers")
 client_log = logging.getLogger("idemq.brokers.librdkafka")
 
 NewTopic: Any = confluent_kafka.admin.NewTopic  # type: ignore[attr-defined]  # not in stubs
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class _Offsets:
@@ -128,6 +124,13 @@ class KafkaBroker:
     workers sharing a group would stall each other on every join and every crash.
     """
 
+    TRAITS: ClassVar[Traits] = Traits(
+        topology_options=True,
+        connect_timeout=True,
+        # librdkafka wants max.poll.interval.ms >= session.timeout.ms: both are set.
+        redelivery_timers=(("session_timeout_ms", 1000), ("max_poll_interval_ms", 1000)),
+    )
+
     def __init__(
         self,
         bootstrap: str,
@@ -137,7 +140,7 @@ class KafkaBroker:
         session_timeout_ms: int = 10_000,
         max_poll_interval_ms: int | None = None,
         client_id: str | None = None,
-        clock_ms: Callable[[], int] = _now_ms,
+        clock_ms: Clock = system_clock_ms,
         declare: str = "auto",
         dead_letter: str | None = None,
         connect_timeout_s: float | None = None,
@@ -492,10 +495,6 @@ class KafkaDelivery(Delivery):
         self._broker.requeue(self, delay_s, counted)
         self._broker.settled(self.queue, self.partition, self.offset)
 
-    def _dead_letter(self, reason: str) -> None:
-        headers = dead_letter_headers(
-            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
-        )
+    def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
         key = self.message.id if self.message else None
         self._broker._produce(self._broker.dead_letter_queue(self.queue), self.body, headers, key)
-        self._broker.settled(self.queue, self.partition, self.offset)

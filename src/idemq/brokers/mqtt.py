@@ -21,8 +21,8 @@ from __future__ import annotations
 import heapq
 import queue as queue_module
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 import paho.mqtt.client as paho
@@ -30,7 +30,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from idemq.brokers.base import Delivery, Received, dead_letter_headers, outgoing_headers
+from idemq._clock import Clock, system_clock_ms
+from idemq.brokers.base import Delivery, Received, Traits, outgoing_headers
 from idemq.errors import BrokerUnavailableError, ConfigurationError
 
 __all__ = ["MqttBroker"]
@@ -42,12 +43,11 @@ def _properties(packet_type: int) -> Properties:
     return Properties(packet_type)  # type: ignore[no-untyped-call]  # paho leaves it untyped
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 class MqttBroker:
     """A publishing client, plus one persistent-session consuming client per consumed topic."""
+
+    # Nothing to declare (the session is the subscription); unacked messages return on reconnect.
+    TRAITS: ClassVar[Traits] = Traits()
 
     def __init__(
         self,
@@ -56,7 +56,7 @@ class MqttBroker:
         *,
         client_id: str | None = None,
         timeout_s: float = 10.0,
-        clock_ms: Callable[[], int] = _now_ms,
+        clock_ms: Clock = system_clock_ms,
     ) -> None:
         self.host = host
         self.port = port
@@ -241,10 +241,6 @@ class MqttDelivery(Delivery):
         self._broker.publish_with(self._broker._publisher, self.queue, self.body, headers)
         self._puback()
 
-    def _dead_letter(self, reason: str) -> None:
-        headers = dead_letter_headers(
-            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
-        )
+    def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
         dlq = self._broker.dead_letter_queue(self.queue)
         self._broker.publish_with(self._broker._publisher, dlq, self.body, headers)
-        self._puback()

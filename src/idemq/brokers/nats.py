@@ -35,10 +35,9 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import ClassVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import nats
@@ -47,13 +46,14 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
 
-from idemq.brokers._aioloop import AckQueue, LoopThread
+from idemq._clock import Clock, system_clock_ms
+from idemq.brokers._aioloop import LoopBroker
 from idemq.brokers.base import (
     ATTEMPT_HEADER,
     Delivery,
     Received,
+    Traits,
     check_declare_mode,
-    dead_letter_headers,
     outgoing_headers,
 )
 from idemq.drivers.urls import mask_url
@@ -72,8 +72,12 @@ def stream_name(subject: str) -> str:
     return "".join("_" if ch in ".*> " else ch for ch in subject)
 
 
-class NatsBroker:
+class NatsBroker(LoopBroker):
     """JetStream streams as queues; one durable pull consumer per queue."""
+
+    TRAITS: ClassVar[Traits] = Traits(
+        topology_options=True, connect_timeout=True, redelivery_timers=(("ack_wait_s", 1),)
+    )
 
     def __init__(
         self,
@@ -87,7 +91,9 @@ class NatsBroker:
         declare: str = "auto",
         dead_letter: str | None = None,
         connect_timeout_s: float | None = None,
+        clock_ms: Clock = system_clock_ms,
     ) -> None:
+        self.clock_ms = clock_ms
         self.url = url
         self.declare_mode = check_declare_mode(declare)
         self.dead_letter = dead_letter
@@ -97,7 +103,12 @@ class NatsBroker:
         self.max_deliver = max_deliver
         self.duplicate_window_s = duplicate_window_s
         self.timeout_s = timeout_s
-        self._loop = LoopThread("idemq-nats")
+        super().__init__(
+            "NATS",
+            driver_errors=_DRIVER_ERRORS,
+            call_timeout_s=timeout_s + 5,
+            confirm=lambda: self._nc.flush(timeout_s),
+        )
         self._last_error: Exception | None = None
         self._connected = False
         try:
@@ -115,7 +126,6 @@ class NatsBroker:
             raise self._refusal(exc) from exc
         self._connected = True
         self._js = self._nc.jetstream(timeout=timeout_s)
-        self._settler = AckQueue(self._loop, "NATS", confirm=lambda: self._nc.flush(timeout_s))
 
     async def _on_error(self, error: Exception) -> None:
         # nats-py reports every failed attempt here (by default with a traceback each). While
@@ -162,12 +172,6 @@ class NatsBroker:
             )
         except ValueError as exc:
             raise ConfigurationError(f"bad number in NATS URL {url!r}") from exc
-
-    def _call(self, coro: Any) -> Any:
-        try:
-            return self._loop.run(coro, self.timeout_s + 5)
-        except _DRIVER_ERRORS as exc:
-            raise BrokerUnavailableError(f"NATS: {type(exc).__name__}: {exc}") from exc
 
     def dead_letter_queue(self, queue: str) -> str:
         """``dead_letter`` if given, else subject ``<queue>.dlq`` (stream ``<queue>_dlq`` when
@@ -303,7 +307,7 @@ class NatsBroker:
                 for message in messages:
                     backlog.left -= 1
                     delivery = self._delivery(queue, message, backlog)
-                    early_s = (delivery.not_before_ms - time.time_ns() // 1_000_000) / 1000
+                    early_s = (delivery.not_before_ms - self.clock_ms()) / 1000
                     if early_s > 0:
                         delivery.retry(early_s)  # a copy not yet due: no handler run, no attempt
                         continue
@@ -330,16 +334,6 @@ class NatsBroker:
             self._loop.stop()
 
     # used by NatsDelivery ----------------------------------------------------------------------
-
-    def settle(self, coro: Any) -> None:
-        """Run a settlement coroutine on the loop and wait, translating driver errors."""
-        self._call(coro)
-
-    def settle_soon(
-        self, action: Callable[[], Awaitable[object]], *, hold: bool = False
-    ) -> Future[None]:
-        """Queue a settlement on the loop (see :class:`~._aioloop.AckQueue`); do not wait."""
-        return self._settler.submit(action, hold=hold)
 
     async def publish_copy(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
         """Publish to ``subject`` and wait for the PubAck (runs on the loop)."""
@@ -374,7 +368,7 @@ class NatsDelivery(Delivery):
             return self._broker.settle_soon(
                 lambda: self._message.nak(delay=delay_s or None), hold=self._backlog.left > 0
             )
-        not_before_ms = time.time_ns() // 1_000_000 + int(delay_s * 1000)
+        not_before_ms = self._broker.clock_ms() + int(delay_s * 1000)
         headers = self.retry_headers(counted=True, not_before_ms=not_before_ms)
         if self.message is not None:
             headers[NATS_MSG_ID] = f"{self.message.id}#attempt-{headers[ATTEMPT_HEADER]}"
@@ -388,18 +382,13 @@ class NatsDelivery(Delivery):
         self._broker.settle(next_attempt())
         return None
 
-    def _dead_letter(self, reason: str) -> None:
-        headers = dead_letter_headers(
-            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
-        )
+    def _drop_dead(self) -> Future[None]:
+        # TERM, not ACK: JetStream publishes its terminated advisory for the dead letter.
+        return self._broker.settle_soon(self._message.term, hold=self._backlog.left > 0)
+
+    def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
         # Not the original Nats-Msg-Id: the DLQ stream's dedup window would drop a second
         # dead letter of the same id (e.g. a re-published poison message), hiding it.
         headers.pop(NATS_MSG_ID, None)
-
-        async def move() -> None:
-            await self._broker.publish_copy(
-                self._broker.dead_letter_queue(self.queue), self.body, headers
-            )
-            await self._message.term()
-
-        self._broker.settle(move())
+        dlq = self._broker.dead_letter_queue(self.queue)
+        self._broker.settle(self._broker.publish_copy(dlq, self.body, headers))

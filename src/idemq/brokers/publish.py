@@ -21,6 +21,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from types import TracebackType
 
+from idemq._backoff import Backoff
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
 from idemq.errors import BrokerUnavailableError
@@ -43,6 +44,9 @@ def default_node() -> str:
     return f"H{host_hash:08X}-P{os.getpid()}"
 
 
+_LONGEST_RETRY_DELAY_S = 5.0
+
+
 class Publisher:
     """A broker connection that stamps ids and retries unconfirmed publishes with the same id."""
 
@@ -60,7 +64,9 @@ class Publisher:
         self._owns_broker = isinstance(broker, str)
         self.ids = MessageIdGenerator(prefix=prefix, node=node or default_node())
         self.attempts = max(attempts, 1)
-        self.retry_delay_s = retry_delay_s
+        # Doubling from retry_delay_s: a broker that did not confirm is often busy or failing
+        # over, and an immediate second publish would only add to its load.
+        self.backoff = Backoff(retry_delay_s, _LONGEST_RETRY_DELAY_S)
         self._sleep = sleep
 
     def publish(
@@ -101,7 +107,7 @@ class Publisher:
                     attempt,
                     self.attempts,
                 )
-                self._sleep(self.retry_delay_s * attempt)
+                self._sleep(self.backoff.delay_s(attempt))
         raise AssertionError("unreachable")
 
     def close(self) -> None:

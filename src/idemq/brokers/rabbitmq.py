@@ -39,9 +39,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
@@ -50,14 +50,15 @@ import aiormq.abc
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from pamqp import frame, header
 
-from idemq.brokers._aioloop import AckQueue, Inbox, LoopThread
+from idemq.brokers._aioloop import Inbox, LoopBroker
 from idemq.brokers.base import (
     ATTEMPT_HEADER,
+    DEAD_LETTER_HEADERS,
     NOT_BEFORE_HEADER,
     Delivery,
     Received,
+    Traits,
     check_declare_mode,
-    dead_letter_headers,
     header_text,
     outgoing_headers,
     split_query,
@@ -160,8 +161,11 @@ def _amqp_value(value: Any) -> Any:
     return value
 
 
-class RabbitMQBroker:
+class RabbitMQBroker(LoopBroker):
     """One robust connection; a confirming channel for publishes, one channel per consumer."""
+
+    # Its redelivery timer, consumer_timeout, is the server's (server-wide before 3.12).
+    TRAITS: ClassVar[Traits] = Traits(topology_options=True)
 
     def __init__(
         self,
@@ -175,8 +179,9 @@ class RabbitMQBroker:
         self.confirm_timeout_s = confirm_timeout_s
         self.declare_mode = check_declare_mode(declare)
         self.dead_letter = dead_letter
-        self._loop = LoopThread("idemq-amqp")
-        self._settler = AckQueue(self._loop, "RabbitMQ")
+        super().__init__(
+            "RabbitMQ", driver_errors=_DRIVER_ERRORS, call_timeout_s=confirm_timeout_s + 5
+        )
         try:
             self._connection, self._channel = self._call(self._connect())
         except (BrokerUnavailableError, ConfigurationError):
@@ -198,12 +203,6 @@ class RabbitMQBroker:
             raise _refusal(exc, self.url) from exc
         channel = await connection.channel(publisher_confirms=True)
         return connection, channel
-
-    def _call(self, coro: Any) -> Any:
-        try:
-            return self._loop.run(coro, self.confirm_timeout_s + 5)
-        except _DRIVER_ERRORS as exc:
-            raise BrokerUnavailableError(f"RabbitMQ: {type(exc).__name__}: {exc}") from exc
 
     def dead_letter_queue(self, queue: str) -> str:
         """``dead_letter`` if given, else ``<queue>.dlq`` (the DLX target of queues idemq
@@ -423,21 +422,6 @@ class RabbitMQBroker:
 
     # used by RabbitMQDelivery -----------------------------------------------------------------
 
-    def settle(self, coro: Any) -> None:
-        """Run a settlement coroutine on the loop and wait, translating driver errors."""
-        self._call(coro)
-
-    def settle_soon(
-        self, action: Callable[[], Awaitable[object]], *, hold: bool = False
-    ) -> Future[None]:
-        """Queue a settlement on the loop (see :class:`~._aioloop.AckQueue`); do not wait."""
-        return self._settler.submit(action, hold=hold)
-
-    def settle_later(self, delay_s: float, action: Callable[[], Awaitable[object]]) -> None:
-        """Run ``action`` on the loop after ``delay_s``; the message stays unacked (invisible)
-        until then."""
-        self._loop.call_later(delay_s, action)
-
     async def publish_copy(
         self, routing_key: str, body: bytes, headers: Mapping[str, Any], message_id: str | None
     ) -> None:
@@ -512,27 +496,10 @@ class RabbitMQDelivery(Delivery):
             return
         await self._message.ack()
 
-    def _dead_letter(self, reason: str) -> None:
-        headers: dict[str, Any] = self._original_headers()
-        headers.update(
-            dead_letter_headers(
-                {}, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
-            )
-        )
+    def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
+        # The producer's headers with their AMQP types, not their text forms.
+        typed: dict[str, Any] = self._original_headers()
+        typed.update((name, headers[name]) for name in DEAD_LETTER_HEADERS)
         message_id = self.message.id if self.message else None
-
-        async def move() -> None:
-            # Publish (confirmed) before ack: a crash in between duplicates, never loses.
-            try:
-                await self._broker.publish_copy(
-                    self._broker.dead_letter_queue(self.queue), self.body, headers, message_id
-                )
-            except Exception:
-                # Never left unsettled (it would hold a prefetch slot for good): back to the
-                # queue, to be dead-lettered again, and the failure in the log.
-                log.exception("dead-lettering %s failed; requeued", self.describe())
-                await self._message.nack(requeue=True)
-                return
-            await self._message.ack()
-
-        self._broker.settle(move())
+        dlq = self._broker.dead_letter_queue(self.queue)
+        self._broker.settle(self._broker.publish_copy(dlq, self.body, typed, message_id))

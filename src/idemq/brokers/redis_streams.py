@@ -29,22 +29,22 @@ import json
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 import redis.exceptions as rx
 
+from idemq._clock import Clock, system_clock_ms
 from idemq.brokers.base import (
     BROKER_MESSAGE_ID,
     Delivery,
     Received,
+    Traits,
     check_declare_mode,
-    dead_letter_headers,
     header_text,
 )
 from idemq.brokers.settlement import Ack, Settlement
@@ -72,6 +72,10 @@ ACK_BATCH = 100
 class RedisStreamsBroker:
     """Streams as queues, one consumer group (``group``) per queue."""
 
+    TRAITS: ClassVar[Traits] = Traits(
+        topology_options=True, redelivery_timers=(("claim_idle_ms", 1000),)
+    )
+
     def __init__(
         self,
         client: AnyRedis,
@@ -81,8 +85,10 @@ class RedisStreamsBroker:
         block_ms: int = 200,
         declare: str = "auto",
         dead_letter: str | None = None,
+        clock_ms: Clock = system_clock_ms,
     ) -> None:
         self.client = client
+        self.clock_ms = clock_ms
         self.group = group
         self.declare_mode = check_declare_mode(declare)
         self.dead_letter = dead_letter
@@ -193,7 +199,7 @@ class RedisStreamsBroker:
             if not deliveries:
                 yield None
             for delivery in deliveries:
-                early_s = (delivery.not_before_ms - time.time_ns() // 1_000_000) / 1000
+                early_s = (delivery.not_before_ms - self.clock_ms()) / 1000
                 if early_s > 0:
                     delivery.retry(early_s)  # a copy not yet due: no handler run, no attempt
                     continue
@@ -330,7 +336,7 @@ class RedisStreamsDelivery(Delivery):
     def _retry(self, delay_s: float, counted: bool) -> None:
         b = self._broker
         if counted:
-            not_before_ms = time.time_ns() // 1_000_000 + int(delay_s * 1000)
+            not_before_ms = b.clock_ms() + int(delay_s * 1000)
             headers = self.retry_headers(counted=True, not_before_ms=not_before_ms)
             message_id = self.message.id if self.message else None
             pipe = b.client.pipeline(transaction=True)  # MULTI/EXEC: the copy replaces it
@@ -350,21 +356,21 @@ class RedisStreamsDelivery(Delivery):
             justid=True,
         )
 
-    def _dead_letter(self, reason: str) -> None:
+    def _dead_letter(self, reason: str) -> Future[None] | None:
         b = self._broker
-        headers = dead_letter_headers(
-            self.headers, reason=reason, queue=self.queue, delivery_attempt=self.delivery_attempt
-        )
-        message_id = self.message.id if self.message else None
         dlq = b.dead_letter_queue(self.queue)
-        fields = _fields(self.body, headers, message_id)
         if is_cluster(b.client) and key_slot(dlq) != key_slot(self.queue):
-            # Two slots, two masters: no MULTI spans them. Add first, then ack, so a crash in
-            # between redelivers the entry (dead-lettered again) rather than loses it.
-            b._call(b.client.xadd, dlq, fields)
-            b._call(b.client.xack, self.queue, b.group, self._entry_id)
-            return
+            # Two slots, two masters: no MULTI spans them, so copy first, then ack.
+            return super()._dead_letter(reason)
         pipe = b.client.pipeline(transaction=True)  # MULTI/EXEC: move atomically
-        pipe.xadd(dlq, fields)
+        pipe.xadd(dlq, self._dead_letter_fields(self.dead_letter_copy_headers(reason)))
         pipe.xack(self.queue, b.group, self._entry_id)
         b._call(pipe.execute)
+        return None
+
+    def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
+        b = self._broker
+        b._call(b.client.xadd, b.dead_letter_queue(self.queue), self._dead_letter_fields(headers))
+
+    def _dead_letter_fields(self, headers: dict[str, str]) -> dict[Any, Any]:
+        return _fields(self.body, headers, self.message.id if self.message else None)

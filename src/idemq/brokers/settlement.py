@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from idemq._backoff import Backoff
 from idemq.drivers.sql import connection_lost
 from idemq.errors import (
     InvalidInputError,
@@ -79,10 +80,15 @@ class RetryPolicy:
     in_progress_delay_s: float = 5.0
     store_unavailable_delay_s: float = 2.0
 
+    @property
+    def backoff(self) -> Backoff:
+        """The backoff of a failing handler's retries (no jitter: each message has its own
+        attempt count, so their retries do not line up)."""
+        return Backoff(self.backoff_base_s, self.backoff_max_s)
+
     def backoff_s(self, delivery_attempt: int) -> float:
-        """Exponential backoff for the retry after failed attempt ``delivery_attempt`` (1-based)."""
-        exponent = max(delivery_attempt - 1, 0)
-        return float(min(self.backoff_max_s, self.backoff_base_s * 2.0**exponent))
+        """The wait before the retry after failed attempt ``delivery_attempt`` (1-based)."""
+        return self.backoff.delay_s(delivery_attempt)
 
 
 def decide(

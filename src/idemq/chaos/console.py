@@ -6,9 +6,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from idemq.chaos.plan import ChaosConfig
 from idemq.chaos.result import ChaosResult
 from idemq.chaos.result import Progress as Snapshot
-from idemq.chaos.runner import ChaosConfig, run_chaos
+from idemq.chaos.runner import run_chaos
 
 __all__ = ["render_result", "run_with_progress"]
 

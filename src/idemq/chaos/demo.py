@@ -32,8 +32,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from idemq.chaos.plan import ChaosConfig
 from idemq.chaos.result import ChaosResult, Progress
-from idemq.chaos.runner import ChaosConfig, run_chaos
+from idemq.chaos.runner import run_chaos
 
 __all__ = [
     "DemoConfig",

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
-from idemq.brokers import open_broker
+from idemq.brokers import open_broker, traits_of
 from idemq.brokers.base import Broker, Delivery
 from idemq.chaos import rabbitmq_timeout
 from idemq.chaos.events import COPY_HEADER
@@ -116,15 +116,6 @@ _CAPABILITIES = {
     ),
 }
 
-# Query parameters that set each adapter's redelivery timers, and their unit factor from seconds.
-_TIMER_PARAMS = {
-    "embedded": (("visibility_timeout_s", 1),),
-    "redis": (("claim_idle_ms", 1000),),
-    "nats": (("ack_wait_s", 1),),
-    # librdkafka wants max.poll.interval.ms >= session.timeout.ms: same value for both.
-    "kafka": (("session_timeout_ms", 1000), (KAFKA_POLL_PARAM, 1000)),
-}
-
 
 def scheme_of(url: str) -> str:
     """The broker family of ``url`` (``amqps`` → ``amqp``, ``rediss`` → ``redis``)."""
@@ -179,7 +170,7 @@ def worker_url(url: str) -> str:
     scheme = scheme_of(url)
     seconds = capabilities(url).redelivery_s
     timers: dict[str, str] = {}
-    for param, factor in _TIMER_PARAMS.get(scheme, ()):
+    for param, factor in traits_of(url).redelivery_timers:
         value = seconds * factor
         timers[param] = str(int(value) if factor > 1 else value)
     if scheme == "kafka":
@@ -196,10 +187,9 @@ def worker_url(url: str) -> str:
 
 def redelivery_s(url: str) -> float:
     """The longest redelivery timer in force in ``url`` (or the default, if none is given)."""
-    scheme = scheme_of(url)
     given = [
         float(value) / factor
-        for param, factor in _TIMER_PARAMS.get(scheme, ())
+        for param, factor in traits_of(url).redelivery_timers
         if (value := _query(url).get(param))
     ]
     return max(given) if given else capabilities(url).redelivery_s

@@ -37,16 +37,15 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
-    create_engine,
-    event,
     insert,
     select,
     update,
 )
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idemq.business.state_machine import StateMachine, TransitionResult
+from idemq.drivers.sql import async_engine_from_url, engine_from_url
 from idemq.errors import InvalidMessageError
 
 __all__ = [
@@ -56,7 +55,6 @@ __all__ = [
     "OrderService",
     "OrderTables",
     "RetryLaterError",
-    "async_url",
     "create_schema",
     "drop_schema",
     "make_async_engine",
@@ -68,9 +66,6 @@ __all__ = [
 
 #: The happy path, in order: "at or past PAID" means PAID or SHIPPED.
 ORDER_STATES = ("PENDING_PAYMENT", "PAYMENT_FAILED", "PAID", "SHIPPED")
-
-# SQLite waits this long for a competing writer before "database is locked".
-SQLITE_BUSY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -165,55 +160,15 @@ def seed(
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
-    """``create_engine`` with racing-writer settings for SQLite; other URLs are passed through.
-
-    SQLite's default deferred transactions take the write lock only at the first write, so two
-    transactions that both read first can deadlock (one gets SQLITE_BUSY at once, whatever the
-    busy timeout). ``BEGIN IMMEDIATE`` takes the write lock up front, so racing writers queue
-    behind the busy timeout instead (SQLAlchemy's documented pysqlite recipe).
-    """
-    if not url.startswith("sqlite"):
-        return create_engine(url, **kwargs)
-    connect_args = {"timeout": SQLITE_BUSY_TIMEOUT_S, **kwargs.pop("connect_args", {})}
-    engine = create_engine(url, connect_args=connect_args, **kwargs)
-    _begin_immediate(engine)
-    return engine
+    """The order service's engine: built like a store's (:func:`idemq.drivers.sql.engine_from_url`),
+    so SQLite's racing writers queue at ``BEGIN IMMEDIATE`` instead of deadlocking."""
+    return engine_from_url(url, **kwargs)
 
 
 def make_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
-    """The async twin of :func:`make_engine`; ``url`` may be sync-style (see :func:`async_url`)."""
-    url = async_url(url)
-    if not url.startswith("sqlite"):
-        return create_async_engine(url, **kwargs)
-    connect_args = {"timeout": SQLITE_BUSY_TIMEOUT_S, **kwargs.pop("connect_args", {})}
-    engine = create_async_engine(url, connect_args=connect_args, **kwargs)
-    _begin_immediate(engine.sync_engine)
-    return engine
-
-
-def async_url(url: str) -> str:
-    """Map a sync SQLAlchemy URL to its async driver: aiosqlite, psycopg (async), asyncmy."""
-    for sync, asynchronous in (
-        ("sqlite+pysqlite://", "sqlite+aiosqlite://"),
-        ("sqlite://", "sqlite+aiosqlite://"),
-        ("mysql+pymysql://", "mysql+asyncmy://"),
-        ("mysql://", "mysql+asyncmy://"),
-        ("postgresql://", "postgresql+psycopg://"),
-    ):
-        if url.startswith(sync):
-            return asynchronous + url[len(sync) :]
-    return url  # already async (postgresql+psycopg works with create_async_engine)
-
-
-def _begin_immediate(engine: Engine) -> None:
-    @event.listens_for(engine, "connect")
-    def _no_implicit_begin(dbapi_conn: Any, _record: Any) -> None:
-        # Stop the driver from issuing its own deferred BEGIN; we emit ours below.
-        dbapi_conn.isolation_level = None
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    """The async twin of :func:`make_engine`; ``url`` may name a sync driver (its asyncio twin is
+    used)."""
+    return async_engine_from_url(url, **kwargs)
 
 
 class MessageLike(Protocol):

@@ -1,5 +1,6 @@
 """What each ``idemq`` command does once :mod:`idemq.cli` has parsed its arguments: call the
-library, render the answer (rich tables, or ``--json``), return an exit code named below.
+library, render the answer (:mod:`.terminal`'s tables, or ``--json``), return an exit code named
+below.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.prompt import Confirm
-from rich.table import Table
-
+from idemq.cli.terminal import confirm, lab_console, say, show_table, tell
 from idemq.errors import ConfigurationError, IdemqError
 from idemq.guard.cache import DEFAULT_LOCAL_CACHE_TTL_S
 from idemq.stores import admin
@@ -43,8 +41,6 @@ __all__ = [
     "cmd_schema",
     "cmd_stats",
     "cmd_worker",
-    "console",
-    "err_console",
 ]
 
 EXIT_OK = 0
@@ -54,11 +50,6 @@ EXIT_NOT_FOUND = 3  # inspect: no such message id
 EXIT_STORE = 4  # the store (or the broker) could not be reached or failed
 EXIT_ABORTED = 5  # release: the operator said no (or no TTY to ask on and no --yes)
 EXIT_REFUSED = 6  # release: the record is PROCESSED (deleting it would let it run twice)
-
-console = Console()
-# soft_wrap: a line longer than the terminal (or than 80 columns, off a terminal) is not cut in
-# two, so an id or a URL in it stays greppable.
-err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _print_json(value: Any) -> None:
@@ -70,14 +61,18 @@ def _open_existing_store(args: argparse.Namespace) -> Any:
     return admin.open_store_for(args.store, table=args.table, prefix=args.prefix, must_exist=True)
 
 
-def _record_table(data: dict[str, Any]) -> Table:
-    table = Table(title=f"{data['message_id']} ({data['consumer']})", show_header=False)
-    for key, value in data.items():
-        table.add_row(key, json.dumps(value, ensure_ascii=False) if key == "result" else str(value))
-    return table
+def _show_record(data: dict[str, Any]) -> None:
+    show_table(
+        f"{data['message_id']} ({data['consumer']})",
+        [
+            (key, json.dumps(value, ensure_ascii=False) if key == "result" else str(value))
+            for key, value in data.items()
+        ],
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    console = lab_console("idemq demo")
     from idemq.chaos.demo import (  # noqa: PLC0415
         DemoConfig,
         demo_directory,
@@ -126,6 +121,7 @@ def _store_errors_translated(doing: str, store_url: str) -> Iterator[None]:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    console = lab_console("idemq chaos")
     from idemq.chaos import ChaosConfig, run_chaos, write_report  # noqa: PLC0415
     from idemq.chaos.console import render_result, run_with_progress  # noqa: PLC0415
 
@@ -231,9 +227,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_json(records)
     elif records:
         for record in records:
-            console.print(_record_table(record))
+            _show_record(record)
     else:
-        err_console.print(f"no record of message id {args.id!r}")
+        tell(f"no record of message id {args.id!r}")
     return EXIT_OK if records else EXIT_NOT_FOUND
 
 
@@ -251,32 +247,34 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report)
         return EXIT_OK
-    table = Table(title=f"idemq store {report['store']}", show_header=False)
-    table.add_row("processing", str(report["records"]["processing"]))
-    table.add_row("processed", str(report["records"]["processed"]))
-    table.add_row("stuck leases (expired, not completed)", str(report["stuck_leases"]))
-    table.add_row(
-        "oldest processing",
-        f"{report['oldest_processing']} ({report['oldest_processing_age_s']} s ago)"
-        if report["oldest_processing"]
-        else "-",
-    )
-    table.add_row("oldest processed", str(report["oldest_processed"] or "-"))
     size = report["size_bytes"]
-    table.add_row("size", f"{size:,} bytes ({report['size_method']})" if size is not None else "?")
+    rows = [
+        ("processing", str(report["records"]["processing"])),
+        ("processed", str(report["records"]["processed"])),
+        ("stuck leases (expired, not completed)", str(report["stuck_leases"])),
+        (
+            "oldest processing",
+            f"{report['oldest_processing']} ({report['oldest_processing_age_s']} s ago)"
+            if report["oldest_processing"]
+            else "-",
+        ),
+        ("oldest processed", str(report["oldest_processed"] or "-")),
+        ("size", f"{size:,} bytes ({report['size_method']})" if size is not None else "?"),
+    ]
     if outbox is not None:
-        table.add_row(f"outbox {outbox['table']}: pending", str(outbox["pending"]))
-        table.add_row("outbox: oldest pending", f"{outbox['oldest_pending_age_s']} s ago")
-        table.add_row("outbox: dead (retry with `idemq outbox retry ID`)", str(outbox["dead"]))
-    console.print(table)
+        rows += [
+            (f"outbox {outbox['table']}: pending", str(outbox["pending"])),
+            ("outbox: oldest pending", f"{outbox['oldest_pending_age_s']} s ago"),
+            ("outbox: dead (retry with `idemq outbox retry ID`)", str(outbox["dead"])),
+        ]
+    show_table(f"idemq store {report['store']}", rows)
     if report["stuck_records"]:
-        stuck = Table(title="oldest stuck leases (free one with `idemq release ID`)")
         columns = ("consumer", "message_id", "created_time", "attempts", "owner")
-        for column in columns:
-            stuck.add_column(column)
-        for record in report["stuck_records"]:
-            stuck.add_row(*(str(record[c]) for c in columns))
-        console.print(stuck)
+        show_table(
+            "oldest stuck leases (free one with `idemq release ID`)",
+            [[str(record[c]) for c in columns] for record in report["stuck_records"]],
+            columns=columns,
+        )
     return EXIT_OK
 
 
@@ -285,32 +283,32 @@ def cmd_release(args: argparse.Namespace) -> int:
     try:
         plan = admin.plan_release(store, args.id, args.consumer)
         if plan.verdict is admin.ReleaseVerdict.NOT_FOUND:
-            err_console.print(f"no record of message id {args.id!r}")
+            tell(f"no record of message id {args.id!r}")
             return EXIT_NOT_FOUND
         if plan.verdict is admin.ReleaseVerdict.AMBIGUOUS:
             names = ", ".join(r.consumer for r in plan.records)
-            err_console.print(
+            tell(
                 f"several consumers hold {args.id!r} in progress ({names}): "
                 "name one with --consumer"
             )
             return EXIT_USAGE
         if plan.verdict is admin.ReleaseVerdict.PROCESSED:
-            err_console.print(
-                f"refusing: {args.id!r} is PROCESSED; deleting it would let it run twice"
-            )
+            tell(f"refusing: {args.id!r} is PROCESSED; deleting it would let it run twice")
             return EXIT_REFUSED
         if not args.json:
-            console.print(_record_table(record_dict(plan.record)))
+            _show_record(record_dict(plan.record))
         if plan.lease_live:
-            err_console.print(
-                "[yellow]warning:[/yellow] the lease has not expired: its worker "
-                "may still be running, and another may now run it concurrently"
+            tell(
+                "the lease has not expired: its worker may still be running, "
+                "and another may now run it concurrently",
+                label="warning",
+                colour="yellow",
             )
         if not args.yes:
             if not sys.stdin.isatty():
-                err_console.print("not a terminal: pass --yes to release without asking")
+                tell("not a terminal: pass --yes to release without asking")
                 return EXIT_ABORTED
-            if not Confirm.ask(f"release {args.id!r} ({plan.record.consumer})?", console=console):
+            if not confirm(f"release {args.id!r} ({plan.record.consumer})?"):
                 return EXIT_ABORTED
         released = admin.release(store, plan.record)
     finally:
@@ -318,9 +316,9 @@ def cmd_release(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"message_id": args.id, "consumer": plan.record.consumer, "released": released})
     elif released:
-        console.print(f"released {args.id!r} ({plan.record.consumer}): it can be retried now")
+        say(f"released {args.id!r} ({plan.record.consumer}): it can be retried now")
     else:
-        err_console.print(f"{args.id!r} was completed or released meanwhile: nothing done")
+        tell(f"{args.id!r} was completed or released meanwhile: nothing done")
     return EXIT_OK if released else EXIT_REFUSED
 
 
@@ -340,16 +338,16 @@ def cmd_forget(args: argparse.Namespace) -> int:
             }
         )
     elif result is ForgetResult.FORGOTTEN:
-        console.print(f"forgot {args.id!r} ({args.consumer}): its next delivery runs again")
+        say(f"forgot {args.id!r} ({args.consumer}): its next delivery runs again")
         # Running guards with local_cache= do not hear of it: each entry expires on its own.
-        console.print(
+        say(
             f"  workers whose guard has local_cache= may still answer it DUPLICATE for up to "
             f"local_cache_ttl_s (default {DEFAULT_LOCAL_CACHE_TTL_S:g} s)"
         )
     elif result is ForgetResult.NOT_FOUND:
-        err_console.print(f"no record of message id {args.id!r} for consumer {args.consumer!r}")
+        tell(f"no record of message id {args.id!r} for consumer {args.consumer!r}")
     else:
-        err_console.print(
+        tell(
             f"refusing: a worker holds a live lease on {args.id!r} and may be mid-effect; "
             "wait for it to expire, or pass --force"
         )
@@ -369,7 +367,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"deleted": deleted})
     else:
-        console.print(f"deleted {deleted} processed records older than {args.older_than}")
+        say(f"deleted {deleted} processed records older than {args.older_than}")
     return EXIT_OK
 
 
@@ -413,7 +411,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
                 Outbox(store, table=args.outbox_table).create_schema()
         finally:
             store.close()
-        err_console.print(f"created (if missing) table {args.table} in {store.where}")
+        tell(f"created (if missing) table {args.table} in {store.where}")
         return EXIT_OK
     dialect = args.dialect or "postgresql"
     print(schema_sql(dialect, table=args.table), end="")

@@ -9,7 +9,8 @@ import signal
 import threading
 from types import FrameType
 
-from idemq.cli.commands import EXIT_NOT_FOUND, EXIT_OK, console, err_console
+from idemq.cli.commands import EXIT_NOT_FOUND, EXIT_OK
+from idemq.cli.terminal import say, tell
 from idemq.drivers.urls import mask_url
 
 __all__ = ["cmd_outbox_retry", "cmd_relay"]
@@ -63,7 +64,7 @@ def cmd_outbox_retry(args: argparse.Namespace) -> int:
     finally:
         store.close()
     if not moved:
-        err_console.print(f"no dead outbox row {args.id!r}")
+        tell(f"no dead outbox row {args.id!r}")
         return EXIT_NOT_FOUND
-    console.print(f"{args.id!r} is back in the outbox: the relay publishes it next")
+    say(f"{args.id!r} is back in the outbox: the relay publishes it next")
     return EXIT_OK

@@ -13,8 +13,6 @@ import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
-from rich.markup import escape
-
 from idemq.cli.commands import (
     EXIT_FAILED,
     EXIT_STORE,
@@ -31,11 +29,11 @@ from idemq.cli.commands import (
     cmd_schema,
     cmd_stats,
     cmd_worker,
-    err_console,
 )
 from idemq.cli.logs import LOG_FORMATS, configure_logging
 from idemq.cli.outbox_commands import cmd_outbox_retry, cmd_relay
 from idemq.cli.schema_commands import cmd_schema_upgrade
+from idemq.cli.terminal import tell
 from idemq.cli.url_options import ENV_RULE, add_url_option, argv_secrets_warning
 from idemq.errors import (
     BrokerError,
@@ -255,7 +253,12 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
         command.set_defaults(func=func)
         return command
 
-    demo = add("demo", cmd_demo, "the three causes of duplicates, live, on SQLite (no servers)")
+    # The lab's two commands need the chaos extra (rich); their help says so before they refuse.
+    demo = add(
+        "demo",
+        cmd_demo,
+        "the three causes of duplicates, live, on SQLite (no servers; needs idemq[chaos])",
+    )
     demo.add_argument("--orders", type=int, default=120, help="distinct messages (default 120)")
     demo.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     demo.add_argument("--no-guard", action="store_true", help="run without idemq, to compare")
@@ -268,7 +271,11 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (one flat list o
     demo.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
     _chaos_arguments(
-        add("chaos", cmd_chaos, "inject the three causes of duplicates; check the ledger")
+        add(
+            "chaos",
+            cmd_chaos,
+            "inject the three causes of duplicates; check the ledger (needs idemq[chaos])",
+        )
     )
 
     worker = add("worker", cmd_worker, "run MODULE:HANDLER behind the guard on a broker")
@@ -447,8 +454,7 @@ def _report(error: IdemqError, label: str, code: int, log_format: str) -> int:
             "%s: %s", label, text, extra={"idemq_error": type(error).__name__}
         )
     else:
-        # escape(): an install hint's "idemq[rabbitmq]" is text, not rich markup.
-        err_console.print(f"[red]{label}:[/red] {escape(text)}")
+        tell(text, label=label)
     return code
 
 

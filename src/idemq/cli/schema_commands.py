@@ -9,7 +9,8 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from idemq.cli.commands import EXIT_OK, err_console
+from idemq.cli.commands import EXIT_OK
+from idemq.cli.terminal import tell
 from idemq.errors import ConfigurationError
 from idemq.stores.sql.versions import VERSION_TABLE, TableUpgrade
 
@@ -51,7 +52,7 @@ def cmd_schema_upgrade(args: argparse.Namespace) -> int:
     finally:
         store.close()
     for plan in plans:
-        err_console.print(_describe(plan), highlight=False, markup=False)
+        tell(_describe(plan))
         if args.dry_run and plan.needed:
             print(f"-- {plan.table}: version {plan.found} -> {plan.current}")
             for statement in plan.statements:
@@ -60,5 +61,5 @@ def cmd_schema_upgrade(args: argparse.Namespace) -> int:
     if not args.dry_run:
         done = [plan.table for plan in plans if plan.needed]
         message = f"upgraded {', '.join(done)}" if done else "nothing to upgrade"
-        err_console.print(f"{message} in {store.where}", highlight=False, markup=False)
+        tell(f"{message} in {store.where}")
     return EXIT_OK

@@ -7,10 +7,11 @@ send a pipeline, pause) and receives their replies (:mod:`idemq._plan`). A
 async shells of each object differ only in which executor they hold, and the logic of a claim,
 a SCAN loop or a blocking lock acquire cannot drift between them.
 
-The executors go through redis-py's public doors only: a script is a ``register_script``
-object (it sends EVALSHA and, when the server answers NOSCRIPT after a restart, a
-``SCRIPT FLUSH`` or a failover, loads the source and repeats), a command is the client method
-of that name, and redis-py encodes every argument and parses every reply.
+The executors go through redis-py's public doors only: a script is an ``EVALSHA`` sent with
+``execute_command`` (when the server answers NOSCRIPT after a restart, a ``SCRIPT FLUSH`` or a
+failover, the same call goes again as ``EVAL`` with the source, which also puts the script
+back in the server's cache), a command is the client method of that name, and redis-py
+encodes every argument and parses every reply.
 
 Redis Cluster: a ``redis://…?cluster=true`` URL builds a ``redis.cluster.RedisCluster`` (or its
 asyncio twin), and one passed in is used as it is. redis-py follows ``MOVED``/``ASK`` replies
@@ -28,11 +29,13 @@ server as ``host:port/db``, never the URL, so a password in it cannot leak into 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
+import re
 import ssl
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeAlias, TypeVar, overload
+from dataclasses import dataclass, field
+from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar, overload
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -42,7 +45,7 @@ import redis.cluster
 from redis import exceptions as rx
 from redis.crc import key_slot as _crc_key_slot
 
-from idemq.drivers.urls import mask_url
+from idemq.drivers.urls import is_redis_url, mask_url
 from idemq.errors import (
     ConfigurationError,
     StoreConfigurationError,
@@ -88,14 +91,20 @@ C = TypeVar("C", AnyRedis, AnyAsyncRedis)
 
 @dataclass(frozen=True, slots=True)
 class LuaScript:
-    """A Lua script's source and its name (for error messages)."""
+    """A Lua script's source, its name (for error messages) and its SHA1 (its ``EVALSHA``
+    name, computed once here rather than per call)."""
 
     name: str
     source: str
+    sha: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The documented way to set a derived field of a frozen dataclass.
+        sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
+        object.__setattr__(self, "sha", sha)
 
 
-@dataclass(frozen=True, slots=True)
-class RunScript:
+class RunScript(NamedTuple):
     """Run a :class:`LuaScript` (one round trip); the reply is the script's return."""
 
     script: LuaScript
@@ -183,13 +192,20 @@ return 0
 """The lock's extend and watchdog, and a node lease's renewal and release (a short hold)."""
 
 
+_KEY_SAFE = re.compile(r"[A-Za-z0-9_.~-]*")
+"""The characters ``quote`` never escapes."""
+
+
 def escape_key_part(value: str) -> str:
     """``value`` percent-encoded for a key: only ``[A-Za-z0-9_.~-]`` and ``%XX`` remain.
 
     Names and ids are arbitrary text. A raw ``}`` would end a Cluster hash tag early, a raw
     ``:`` would make two different pairs of parts one key, and a raw ``*``/``?``/``[`` would
     turn a SCAN pattern into a wildcard. ``surrogatepass`` gives even a lone surrogate a key.
+    A value made of those characters already (most ids) is its own escape.
     """
+    if _KEY_SAFE.fullmatch(value):
+        return value
     return quote(value, safe="", encoding="utf-8", errors="surrogatepass")
 
 
@@ -319,9 +335,6 @@ def describe_client(client: AnyRedis | AnyAsyncRedis) -> str:
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
 """For clients idemq builds from a URL: a hung server becomes StoreUnavailableError, not a hang."""
 
-_SCHEMES = ("redis", "rediss", "unix")
-
-
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no", "")
 
@@ -379,14 +392,13 @@ def redis_client(
             f"needs a {kind.__module__}.{kind.__name__}, a {cluster_kind.__module__}."
             f"{cluster_kind.__name__} or a Redis URL, got {type(client_or_url).__name__}"
         )
-    scheme, sep, _ = client_or_url.partition("://")
-    if not sep or scheme.lower() not in _SCHEMES:
+    if not is_redis_url(client_or_url):
         raise ConfigurationError(
             f"not a Redis URL (redis://, rediss:// or unix://): {mask_url(client_or_url)}"
         )
     url, cluster = _cluster_url(client_or_url)
     _check_tls_files(url)
-    if cluster and scheme.lower() == "unix":
+    if cluster and url.lower().startswith("unix://"):
         raise ConfigurationError(f"a Cluster is reached over TCP: {mask_url(url)}")
     try:
         if cluster:
@@ -447,21 +459,12 @@ def _action(step: Step) -> str:
 
 
 class _Executor(Generic[C]):
-    """What both executors hold: the client, its safe name and its registered scripts."""
+    """What both executors hold: the client and its safe name."""
 
     def __init__(self, client: C) -> None:
         self.client: C = client
         self.cluster = is_cluster(client)
         self.server = describe_client(client)
-        self._scripts: dict[LuaScript, Any] = {}
-
-    def _registered(self, script: LuaScript) -> Any:
-        # One redis-py Script per script and client, registered on first use. A race between
-        # two threads registers it twice, which is harmless: both objects name the same SHA.
-        registered = self._scripts.get(script)
-        if registered is None:
-            registered = self._scripts[script] = self.client.register_script(script.source)
-        return registered
 
     def _scan_kwargs(self, step: ScanPage) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"match": step.match, "count": step.count, "_type": step.type_}
@@ -499,7 +502,16 @@ class RedisExecutor(_Executor[AnyRedis]):
         """The reply of ``step``; a redis-py failure raised as its idemq error."""
         try:
             if isinstance(step, RunScript):
-                return self._registered(step.script)(keys=step.keys, args=step.args)
+                # numkeys then the keys: a Cluster client routes EVALSHA by its keys' slot.
+                arguments = (len(step.keys), *step.keys, *step.args)
+                client: Any = self.client  # redis-py leaves the sync execute_command untyped
+                try:
+                    return client.execute_command("EVALSHA", step.script.sha, *arguments)
+                except rx.NoScriptError:
+                    # The server's script cache is empty (a restart, SCRIPT FLUSH, a failover to a
+                    # replica that never ran it): EVAL runs the source and caches it again, so the
+                    # message is not failed and the next call is an EVALSHA again.
+                    return client.execute_command("EVAL", step.script.source, *arguments)
             if isinstance(step, Call):
                 return step.run_on(self.client)
             if isinstance(step, Batch):
@@ -524,7 +536,11 @@ class AsyncRedisExecutor(_Executor[AnyAsyncRedis]):
         """See :meth:`RedisExecutor.__call__`."""
         try:
             if isinstance(step, RunScript):
-                return await self._registered(step.script)(keys=step.keys, args=step.args)
+                arguments = (len(step.keys), *step.keys, *step.args)  # see RedisExecutor
+                try:
+                    return await self.client.execute_command("EVALSHA", step.script.sha, *arguments)
+                except rx.NoScriptError:
+                    return await self.client.execute_command("EVAL", step.script.source, *arguments)
             if isinstance(step, Call):
                 return await step.run_on(self.client)
             if isinstance(step, Batch):

@@ -55,9 +55,11 @@ from idemq.drivers.extras import SQL_DRIVER_EXTRAS, missing_extra
 from idemq.drivers.urls import mask_url
 from idemq.errors import (
     ConfigurationError,
+    DuplicateKeyError,
     StoreConfigurationError,
     StoreConflictError,
     StoreError,
+    StoreIntegrityError,
     StoreUnavailableError,
     TransactionLostError,
 )
@@ -76,6 +78,7 @@ __all__ = [
     "begin",
     "check_sqlite_transaction",
     "connection_lost",
+    "create_table_once",
     "discard_inherited_connections",
     "driver_reports_aborts",
     "engine_from_url",
@@ -320,9 +323,10 @@ async def _aexecute_on_cursor(
 _PG_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})  # serialization, deadlock, lock
 _MYSQL_RETRYABLE_ERRNOS = frozenset({1205, 1213})  # lock wait timeout, deadlock
 # The server answered and refused this setup: retrying the same settings cannot help.
-_PG_REFUSING_SQLSTATES = frozenset({"28000", "28P01", "3D000", "42P01"})  # login, db, table
+# login, db, table, a column the table lacks (a table of another shape by that name)
+_PG_REFUSING_SQLSTATES = frozenset({"28000", "28P01", "3D000", "42P01", "42703"})
 # access denied (db, user, auth plugin), unknown database, no such table
-_MYSQL_REFUSING_ERRNOS = frozenset({1044, 1045, 1698, 1049, 1146})
+_MYSQL_REFUSING_ERRNOS = frozenset({1044, 1045, 1698, 1049, 1146, 1054})
 # libpq reports a refused connection without a SQLSTATE: only the server's FATAL text tells a
 # refusal (these, in the server's default English) from an outage. Anything not matched stays an
 # outage, the safe side: "too many clients" or "starting up" pass once the server recovers.
@@ -343,7 +347,20 @@ _TLS_REFUSING_TEXTS = (
     "server does not support SSL, but SSL was required",
 )
 _PG_MISSING_TEXT = re.compile(r'FATAL: +(role|database) "[^"]*" does not exist')
-_SQLITE_MISSING_TABLE = "no such table"
+_SQLITE_MISSING = re.compile(r"no such table|no such column|table \S+ has no column named")
+# A unique or primary key already holds the inserted value: PostgreSQL's unique_violation,
+# MariaDB/MySQL's ER_DUP_ENTRY, SQLite's constraint message.
+_PG_DUPLICATE_SQLSTATE = "23505"
+_MYSQL_DUPLICATE_ERRNO = 1062
+_SQLITE_DUPLICATE_TEXTS = ("UNIQUE constraint failed", "PRIMARY KEY must be unique")
+# Statements the server could not run as written (PostgreSQL says so with ProgrammingError or
+# DataError; PyMySQL and sqlite3 raise OperationalError, their class for outages too): a value
+# that does not fit its column, a syntax error. Running them again fails the same way.
+_MYSQL_STATEMENT_ERRNOS = frozenset({1264, 1265, 1292, 1366, 1406})
+_SQLITE_STATEMENT_TEXT = re.compile(r'near ".*": syntax error')
+# A password as drivers and SQLAlchemy may echo it: in a URL (user:secret@host) or a libpq
+# conninfo string (password=secret), e.g. psycopg's "invalid dsn" message.
+_SECRET = re.compile(r"(://[^:/@\s]*:)\S*@|(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
 # SQLAlchemy's own errors (no driver error under them) that mean "no usable connection".
 _UNREACHABLE = (
     OSError,
@@ -366,25 +383,28 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
       run the message again: nothing was committed);
     * lost connection, timeouts, other operational failures, the pool's timeout, a closed or
       invalidated connection, a socket error → :class:`StoreUnavailableError`;
-    * a refused login, an unknown database, a missing table, a server certificate the given CA
-      did not sign → :class:`StoreConfigurationError`
+    * a refused login, an unknown database, a missing table or column (a table of another
+      shape), a server certificate the given CA did not sign → :class:`StoreConfigurationError`
       (the same settings fail the same way: the CLI exits 2, not 4);
-    * anything else (constraint violation, a statement SQLAlchemy could not
-      compile or bind) → :class:`StoreError`.
+    * a key already taken → :class:`DuplicateKeyError`; another constraint violation →
+      :class:`StoreIntegrityError`;
+    * anything else (a statement the server or SQLAlchemy could not compile or bind) →
+      :class:`StoreError`.
 
-    The caller raises the returned error ``from`` the original, so it stays as ``__cause__``.
-    Messages never include the URL's password or the statement's parameters.
+    ``doing`` names the statement or step, so a programming error says which one failed. The
+    caller raises the returned error ``from`` the original, so it stays as ``__cause__``.
+    Messages never include a password or the statement's parameters.
     """
     if isinstance(error, exc.DBAPIError):
         orig: BaseException | None = error.orig
-        operational = isinstance(error, exc.OperationalError | exc.InterfaceError)
+        kinds = {cls.__name__ for cls in type(error).__mro__}
         invalidated = error.connection_invalidated
     elif _is_driver_error(error):
         orig = error
-        operational = bool(_OPERATIONAL & {cls.__name__ for cls in type(error).__mro__})
+        kinds = {cls.__name__ for cls in type(error).__mro__}
         invalidated = False
     else:
-        message = f"{doing} failed: {type(error).__name__}: {error}"
+        message = _without_secrets(f"{doing} failed: {type(error).__name__}: {error}")
         if isinstance(error, _UNREACHABLE):
             return StoreUnavailableError(message)
         return StoreError(message)
@@ -393,19 +413,32 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
     errno = args[0] if args else None
     # First line only: driver messages can run on with the statement and its parameters.
     first_line = (str(orig).strip().splitlines() or [""])[0]
-    message = f"{doing} failed: {type(orig).__name__}: {first_line}"
+    message = _without_secrets(f"{doing} failed: {type(orig).__name__}: {first_line}")
     if sqlstate in _PG_RETRYABLE_SQLSTATES or errno in _MYSQL_RETRYABLE_ERRNOS:
         return StoreConflictError(message)
+    if "IntegrityError" in kinds:
+        duplicate = (
+            sqlstate == _PG_DUPLICATE_SQLSTATE
+            or errno == _MYSQL_DUPLICATE_ERRNO
+            or first_line.startswith(_SQLITE_DUPLICATE_TEXTS)
+        )
+        return DuplicateKeyError(message) if duplicate else StoreIntegrityError(message)
+    operational = bool(_OPERATIONAL & kinds)
     if operational and "database is locked" in str(orig):
         return StoreConflictError(message)  # SQLite busy timeout ran out
     if _refuses_setup(str(orig), sqlstate, errno):
         return StoreConfigurationError(message)
-    if invalidated or operational:
+    if invalidated:
+        return StoreUnavailableError(message)
+    if errno in _MYSQL_STATEMENT_ERRNOS or _SQLITE_STATEMENT_TEXT.match(first_line):
+        return StoreError(message)  # the statement cannot run as written: not an outage
+    if operational:
         return StoreUnavailableError(message)
     return StoreError(message)
 
 
-# The drivers idemq runs on, by top-level package; their errors are read by their PEP 249 names.
+# The drivers idemq runs on, by top-level package; their errors are read by their PEP 249 names
+# (SQLAlchemy's wrappers carry the same names: OperationalError, IntegrityError …).
 _DRIVER_PACKAGES = frozenset({"psycopg", "pymysql", "sqlite3", "asyncmy", "aiosqlite", "MySQLdb"})
 _OPERATIONAL = frozenset({"OperationalError", "InterfaceError"})
 
@@ -418,12 +451,17 @@ def _is_driver_error(error: BaseException) -> bool:
     )
 
 
+def _without_secrets(text: str) -> str:
+    """``text`` with any password in it masked (see ``_SECRET``)."""
+    return _SECRET.sub(lambda m: f"{m.group(1) or m.group(2)}***{'@' if m.group(1) else ''}", text)
+
+
 def _refuses_setup(text: str, sqlstate: object, errno: object) -> bool:
     """Whether the server refused the login, the database or the table, or the client refused
     the server's certificate (see the constants)."""
     if sqlstate in _PG_REFUSING_SQLSTATES or errno in _MYSQL_REFUSING_ERRNOS:
         return True
-    if text.startswith(_SQLITE_MISSING_TABLE):
+    if _SQLITE_MISSING.match(text):
         return True
     if any(part in text for part in _TLS_REFUSING_TEXTS):
         return True
@@ -493,6 +531,24 @@ def translated(doing: str) -> Iterator[None]:
         yield
     except (SQLAlchemyError, OSError) as error:
         raise translate_db_error(error, doing) from error
+
+
+def create_table_once(engine: Engine, table: sa.Table) -> None:
+    """Create ``table`` if it is missing. Processes starting together race between the
+    existence check and the ``CREATE``; losing that race is no failure (the winner's table is
+    used), so only a table still missing afterwards is an error, the first one's."""
+    doing = f"create table {table.name!r}"
+    try:
+        with translated(doing):
+            table.create(engine, checkfirst=True)
+    except StoreError:
+        try:
+            with translated(doing):
+                exists = sa.inspect(engine).has_table(table.name, schema=table.schema)
+        except StoreError:
+            exists = False  # the database cannot be reached: the first failure says so
+        if not exists:
+            raise
 
 
 @contextmanager
@@ -701,11 +757,7 @@ def discard_inherited_connections(engine: Engine) -> None:
 
 
 def sql_engine(engine_or_url: sa.Engine | str) -> sa.Engine:
-    """A SQLAlchemy Engine from an Engine (returned as is) or a URL."""
+    """An Engine handed in (returned as is, the caller's own), or :func:`engine_from_url`'s."""
     if isinstance(engine_or_url, sa.Engine):
         return engine_or_url
-    try:
-        return sa.create_engine(engine_or_url)
-    except (SQLAlchemyError, ImportError, ValueError) as error:
-        shown = mask_url(engine_or_url) if isinstance(engine_or_url, str) else engine_or_url
-        raise ConfigurationError(f"cannot build a SQL engine from {shown!r}") from error
+    return engine_from_url(engine_or_url)

@@ -1,4 +1,5 @@
-"""URLs as they may be shown: in logs, error messages and reprs, never with a secret in them.
+"""What a URL names, and how it may be shown: in logs, error messages and reprs, never with a
+secret in them.
 
 Every store, broker and worker URL can carry credentials (``redis://:pw@host``,
 ``amqp://guest:pw@host``, ``nats://token@host``). A URL that reaches a log line or an exception
@@ -10,9 +11,18 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["mask_url"]
+__all__ = ["is_redis_url", "mask_url"]
 
 _MASK = "***"
+
+_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+
+
+def is_redis_url(url: str) -> bool:
+    """True for a URL redis-py connects to (``redis://``, ``rediss://``, ``unix://``, in any
+    case): every place that takes "a Redis URL or an SQLAlchemy URL" tells them apart here."""
+    scheme, sep, _ = url.partition("://")
+    return bool(sep) and scheme.lower() in _REDIS_SCHEMES
 
 
 def mask_url(url: str) -> str:

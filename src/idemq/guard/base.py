@@ -17,12 +17,12 @@ from idemq.guard.codec import Codec
 from idemq.guard.core import Mode, Outcome, Policy, Status, processed_record
 from idemq.guard.probes import Observer, Probe, report_batch
 from idemq.message import Message
-from idemq.stores.base import AsyncStore, ClaimRequest, Store
+from idemq.stores.base import AsyncGuardStore, ClaimRequest, GuardStore
 
 __all__ = ["GuardBase", "Observed", "bind_handler", "call_with_tx", "key_of", "optional_call"]
 
 T = TypeVar("T")
-S = TypeVar("S", "Store", "AsyncStore")
+S = TypeVar("S", "GuardStore", "AsyncGuardStore")
 
 DecoratedCall = tuple[str, Callable[[Any], Any], dict[str, Any]]
 """What one call of an ``@idempotent`` function becomes: message id, ``handler(tx)``, options."""

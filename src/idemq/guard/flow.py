@@ -33,6 +33,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from idemq._backoff import Backoff
 from idemq.errors import IdemqError, ResultNotSerializableError, StoreConflictError
 from idemq.guard.cache import CompletedCache
 from idemq.guard.codec import NULL_RESULT
@@ -399,14 +400,14 @@ def _wait_for_holder(
     holder finished (DUPLICATE, its result replayed), its lease ran out and this claim took it
     over (None: run the handler), or ``deadline_ms`` passed (still IN_PROGRESS); returns the
     last claim too (a takeover's carries its fence)."""
-    delay_s = _FIRST_WAIT_S
+    waits = 0
     current: Outcome[Any] | None = judged
     while current is not None and current.status is Status.IN_PROGRESS:
         left_s = (deadline_ms - policy.clock()) / 1000
         if left_s <= 0:
             break
-        yield Pause(min(delay_s, left_s))
-        delay_s = min(delay_s * 2, _LONGEST_WAIT_S)
+        waits += 1
+        yield Pause(min(_HOLDER_BACKOFF.delay_s(waits), left_s))
         request = dataclasses.replace(request, now_ms=policy.clock())
         try:
             claim = yield Claim(request)
@@ -416,8 +417,8 @@ def _wait_for_holder(
     return current, request, claim
 
 
-_FIRST_WAIT_S = 0.01
-_LONGEST_WAIT_S = 0.5
+# Short at first (most handlers finish in milliseconds), at most half a second between claims.
+_HOLDER_BACKOFF = Backoff(0.01, 0.5)
 
 
 class ConflictRetries:

@@ -20,17 +20,17 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Outcome
-from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
+from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, StoreStep, message_flow
 from idemq.guard.renewal import Holding, LeaseKeeper
 from idemq.message import Message
-from idemq.stores.base import ForgetResult, Store, TransactionalStore
+from idemq.stores.base import ForgetResult, GuardStore, TransactionalGuardStore
 
 __all__ = ["Idempotency"]
 
 T = TypeVar("T")
 
 
-class Idempotency(GuardBase[Store]):
+class Idempotency(GuardBase[GuardStore]):
     """Guards message handlers so each message's effect happens once.
 
     ``Idempotency(SqlStore(url), consumer="orders")`` runs handlers in the dedup transaction;
@@ -38,7 +38,7 @@ class Idempotency(GuardBase[Store]):
     ``clock`` returns epoch milliseconds (inject a fake one to test lease expiry).
     """
 
-    _transactional_protocol = TransactionalStore
+    _transactional_protocol = TransactionalGuardStore
     _keeper: LeaseKeeper | None = None
 
     def process(
@@ -84,7 +84,7 @@ class Idempotency(GuardBase[Store]):
         :mod:`idemq.guard.batch_flow` for how (an optimistic pass, then an isolated one).
         """
         plan, make_flow = self._batch(messages)
-        outcomes = self._run(make_flow, handler, connection, BatchPasses)
+        outcomes = self._run(make_flow, handler, connection, BatchPasses, holds=True)
         for request, outcome in zip(plan.requests, outcomes, strict=True):
             self._remember(request, outcome, committed=connection is None)
         return self._report_batch(plan.assemble(outcomes))
@@ -151,16 +151,23 @@ class Idempotency(GuardBase[Store]):
         handler: Callable[[Any, Any], Any],
         connection: Any,
         retries_type: type[ConflictRetries],
+        *,
+        holds: bool = False,
     ) -> Any:
         """Drive a flow: as it is in lease mode; in transactional mode inside a transaction,
         made again from ``make_flow(retries)`` each time ``retries`` says the transaction runs
-        again (a deadlock, or a batch's handler failure before its isolated pass)."""
+        again (a deadlock, or a batch's handler failure before its isolated pass).
+
+        ``holds``: the flow is a lease-mode batch's, which holds the claims of its later
+        messages while an earlier handler runs; a single message holds none to renew."""
         retries = retries_type(owns_transaction=connection is None)
         if not self._transactional:
+            if not holds:
+                return drive(make_flow(retries), functools.partial(self._execute, None, handler))
             with self._lease_keeper.holding() as holding:
                 execute = functools.partial(self._execute, None, handler, holding=holding)
                 return drive(make_flow(retries), execute)
-        store = cast(TransactionalStore, self.store)
+        store = cast(TransactionalGuardStore, self.store)
         while True:
             try:
                 with store.transaction(connection) as tx:
@@ -178,7 +185,10 @@ class Idempotency(GuardBase[Store]):
         *,
         holding: Holding | None = None,
     ) -> Any:
-        """Carry out one step: a store primitive, or the handler (its outcome as data)."""
+        """Carry out one step: a store primitive (most steps are), or the handler (its outcome
+        as data), or a pause."""
+        if isinstance(step, StoreStep):
+            return step.call(self.store, tx)
         if isinstance(step, RunHandler):
             token = context.enter(step.context)
             try:
@@ -188,7 +198,5 @@ class Idempotency(GuardBase[Store]):
                 return False, exc
             finally:
                 context.leave(token)
-        if isinstance(step, Pause):
-            time.sleep(step.seconds)
-            return None
-        return step.call(self.store, tx)
+        time.sleep(step.seconds)
+        return None

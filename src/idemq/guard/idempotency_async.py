@@ -20,24 +20,29 @@ from idemq.guard import context
 from idemq.guard.base import GuardBase, Observed, bind_handler
 from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Mode, Outcome
-from idemq.guard.flow import ConflictRetries, Flow, Pause, RunHandler, Step, message_flow
+from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, StoreStep, message_flow
 from idemq.guard.inflight import InFlight
 from idemq.guard.renewal import AsyncHolding, keep_async
 from idemq.message import Message
-from idemq.stores.base import AsyncStore, AsyncTransactionalStore, ClaimRequest, ForgetResult
+from idemq.stores.base import (
+    AsyncGuardStore,
+    AsyncTransactionalGuardStore,
+    ClaimRequest,
+    ForgetResult,
+)
 
 __all__ = ["AsyncIdempotency"]
 
 T = TypeVar("T")
 
 
-class AsyncIdempotency(GuardBase[AsyncStore]):
+class AsyncIdempotency(GuardBase[AsyncGuardStore]):
     """The asyncio twin of :class:`~idemq.Idempotency`: same arguments, ``await guard.process()``.
 
     ``handler`` may be a coroutine function or a plain function.
     """
 
-    _transactional_protocol = AsyncTransactionalStore
+    _transactional_protocol = AsyncTransactionalGuardStore
 
     @functools.cached_property
     def _inflight(self) -> InFlight | None:
@@ -121,7 +126,7 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
     ) -> list[Outcome[Any]]:
         """See :meth:`Idempotency.process_batch`; ``handler`` may be async."""
         plan, make_flow = self._batch(messages)
-        outcomes = await self._run(make_flow, handler, connection, BatchPasses)
+        outcomes = await self._run(make_flow, handler, connection, BatchPasses, holds=True)
         for request, outcome in zip(plan.requests, outcomes, strict=True):
             self._remember(request, outcome, committed=connection is None)
         return self._report_batch(plan.assemble(outcomes))
@@ -189,17 +194,22 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         handler: Callable[[Any, Any], Any],
         connection: Any,
         retries_type: type[ConflictRetries],
+        *,
+        holds: bool = False,
     ) -> Any:
         """See :meth:`Idempotency._run`."""
         retries = retries_type(owns_transaction=connection is None)
         if not self._transactional:
+            if not holds:
+                execute = functools.partial(self._execute, None, handler)
+                return await adrive(make_flow(retries), execute)
             holding = AsyncHolding(self.store.renew, self.policy.clock)
             try:
                 execute = functools.partial(self._execute, None, handler, holding=holding)
                 return await adrive(make_flow(retries), execute)
             finally:
                 holding.close()
-        store = cast(AsyncTransactionalStore, self.store)
+        store = cast(AsyncTransactionalGuardStore, self.store)
         while True:
             try:
                 async with store.transaction(connection) as tx:
@@ -218,6 +228,8 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
         holding: AsyncHolding | None = None,
     ) -> Any:
         """See :meth:`Idempotency._execute`; a plain function's result is not awaited."""
+        if isinstance(step, StoreStep):
+            return await step.call(self.store, tx)
         if isinstance(step, RunHandler):
             if holding is not None:
                 holding.keep(step.held)
@@ -231,7 +243,5 @@ class AsyncIdempotency(GuardBase[AsyncStore]):
                 return False, exc
             finally:
                 context.leave(token)
-        if isinstance(step, Pause):
-            await asyncio.sleep(step.seconds)
-            return None
-        return await step.call(self.store, tx)
+        await asyncio.sleep(step.seconds)
+        return None

@@ -152,6 +152,9 @@ class LeaseKeeper:
     _thread: threading.Thread | None = None
     _in_flight: int = 0
     _idle_since: float = 0.0
+    # When the scheduling thread wakes by itself next (monotonic; it waits until then): a claim
+    # due no sooner need not wake it, so a stream of short handlers costs no thread switch each.
+    _wakes_at: float = 0.0
 
     @contextmanager
     def keeping(self, terms: LeaseTerms, context: HandlerContext) -> Iterator[None]:
@@ -182,7 +185,8 @@ class LeaseKeeper:
                     target=self._run, name="idemq-lease-keeper", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()  # a shorter lease than the ones watched may be due sooner
+            elif kept.next_at < self._wakes_at:  # due before the thread looks again
+                self._cond.notify()
         return kept
 
     def _discard(self, kept: Iterable[_Kept]) -> None:
@@ -200,16 +204,23 @@ class LeaseKeeper:
                     if now - self._idle_since >= self.idle_exit_s:
                         self._thread = None
                         return
-                    self._cond.wait(self.idle_exit_s)
+                    self._wait_until(now + self.idle_exit_s, now)
                     continue
                 due = self._due(now)
                 if not due:
-                    self._cond.wait(max(self._next_wake(now) - now, 0.001))
+                    self._wait_until(max(self._next_wake(now), now + 0.001), now)
                     continue
             for kept in due:  # outside the lock: starting a thread must not block keeping()
                 threading.Thread(
                     target=self._renew_once, args=(kept,), name="idemq-lease-renewal", daemon=True
                 ).start()
+
+    def _wait_until(self, wake: float, now: float) -> None:
+        """Sleep (the lock released) until ``wake``, or until :meth:`_add` or a renewal's
+        answer notifies; under the lock."""
+        self._wakes_at = wake
+        self._cond.wait(wake - now)
+        self._wakes_at = 0.0  # awake: whatever is added now is seen before the next wait
 
     def _due(self, now: float) -> list[_Kept]:
         """Report overdue claims lost; take the renewals due now (under the lock)."""

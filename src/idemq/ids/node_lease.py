@@ -41,6 +41,7 @@ import sqlalchemy as sa
 
 from idemq.drivers.redis import redis_client
 from idemq.drivers.sql import sql_engine
+from idemq.drivers.urls import is_redis_url
 from idemq.errors import ConfigurationError, LeaseLostError, StoreError
 from idemq.ids.format import validate_id_part
 from idemq.ids.node_lease_backends import RedisLeaseBackend, SqlLeaseBackend
@@ -233,7 +234,9 @@ def lease_node(
     SQLAlchemy URL; SQL creates ``sql_table`` if missing). ``nodes`` are candidate ids: ints are
     formatted with ``node_format`` (``N001``…), strings used as is. Raises
     :class:`~idemq.ConfigurationError` when every node of the pool is held by a live process,
-    :class:`~idemq.StoreUnavailableError` when the store cannot be reached. ``on_lost`` is
+    :class:`~idemq.StoreUnavailableError` when the store cannot be reached,
+    :class:`~idemq.StoreConflictError` when the database rolled this lease back for a
+    deadlock with a process leasing the same node (call again). ``on_lost`` is
     called once if the lease is lost; ``close()`` frees the node ``release_hold_s`` later.
     ``monotonic`` (seconds) times the local validity deadline; inject it to test expiry.
 
@@ -247,9 +250,7 @@ def lease_node(
         raise ConfigurationError(f"need ttl_s > 0 and release_hold_s >= 0, got {ttl_s!r}")
     names = _node_names(nodes, node_format)
     lease_backend: LeaseBackend
-    if isinstance(backend, sa.Engine) or (
-        isinstance(backend, str) and not backend.startswith(("redis://", "rediss://", "unix://"))
-    ):
+    if isinstance(backend, sa.Engine) or (isinstance(backend, str) and not is_redis_url(backend)):
         owns = isinstance(backend, str)
         lease_backend = SqlLeaseBackend(sql_engine(backend), sql_table, owns_engine=owns)
     elif isinstance(backend, str) or hasattr(backend, "register_script"):

@@ -7,11 +7,11 @@ processes competing for a pool never compare their own, possibly skewed, clocks.
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idemq._plan import drive
 from idemq.drivers.redis import EXTEND_IF_OWNER, AnyRedis, Call, Op, RedisExecutor, RunScript
-from idemq.errors import StoreUnavailableError
+from idemq.drivers.sql import create_table_once, translated
+from idemq.errors import DuplicateKeyError
 
 __all__ = ["RedisLeaseBackend", "SqlLeaseBackend"]
 
@@ -112,12 +112,7 @@ class SqlLeaseBackend:
             sa.Column("lease_until_ms", sa.BigInteger, nullable=False),
         )
         self._now_ms = _server_now_ms(engine.dialect.name)
-        try:
-            self.table.create(engine, checkfirst=True)
-        except SQLAlchemyError as exc:
-            # Concurrent starters race between the existence check and CREATE; losing is fine.
-            if not sa.inspect(engine).has_table(table):
-                raise StoreUnavailableError(f"cannot create table {table!r}") from exc
+        create_table_once(engine, self.table)
 
     def close(self) -> None:
         """Dispose of the engine's connections if this backend created it (from a URL)."""
@@ -127,43 +122,35 @@ class SqlLeaseBackend:
     def try_acquire(self, pool: str, nodes: list[str], owner: str, ttl_ms: int) -> str | None:
         """See :class:`idemq.ids.node_lease.LeaseBackend`."""
         t = self.table
-        try:
-            with self.engine.connect() as conn:
-                rows = conn.execute(
-                    sa.select(t.c.node, t.c.lease_until_ms >= self._now_ms).where(t.c.pool == pool)
-                ).all()
-            live = {node for node, is_live in rows if is_live}
-            expired = {node for node, is_live in rows if not is_live}
-            for node in nodes:
-                if node in live:
-                    continue
-                if node in expired:
-                    take = (
-                        sa.update(t)
-                        .where(
-                            t.c.pool == pool, t.c.node == node, t.c.lease_until_ms < self._now_ms
-                        )
-                        .values(owner=owner, lease_until_ms=self._now_ms + ttl_ms)
-                    )
-                    with self.engine.begin() as conn:
-                        if conn.execute(take).rowcount == 1:
-                            return node
-                    continue
-                try:
-                    with self.engine.begin() as conn:
-                        conn.execute(
-                            sa.insert(t).values(
-                                pool=pool,
-                                node=node,
-                                owner=owner,
-                                lease_until_ms=self._now_ms + ttl_ms,
-                            )
-                        )
-                    return node
-                except IntegrityError:
-                    continue  # another process inserted it first
-        except SQLAlchemyError as exc:
-            raise StoreUnavailableError(f"cannot lease a node of pool {pool!r}") from exc
+        doing = f"lease a node of pool {pool!r} in {t.name}"
+        with translated(doing), self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(t.c.node, t.c.lease_until_ms >= self._now_ms).where(t.c.pool == pool)
+            ).all()
+        live = {node for node, is_live in rows if is_live}
+        expired = {node for node, is_live in rows if not is_live}
+        for node in nodes:
+            if node in live:
+                continue
+            if node in expired:
+                take = (
+                    sa.update(t)
+                    .where(t.c.pool == pool, t.c.node == node, t.c.lease_until_ms < self._now_ms)
+                    .values(owner=owner, lease_until_ms=self._now_ms + ttl_ms)
+                )
+                with translated(doing), self.engine.begin() as conn:
+                    if conn.execute(take).rowcount == 1:
+                        return node
+                continue
+            insert = sa.insert(t).values(
+                pool=pool, node=node, owner=owner, lease_until_ms=self._now_ms + ttl_ms
+            )
+            try:
+                with translated(doing), self.engine.begin() as conn:
+                    conn.execute(insert)
+            except DuplicateKeyError:
+                continue  # another process inserted it first
+            return node
         return None
 
     def renew(self, pool: str, node: str, owner: str, ttl_ms: int) -> bool:
@@ -174,11 +161,8 @@ class SqlLeaseBackend:
             .where(t.c.pool == pool, t.c.node == node, t.c.owner == owner)
             .values(lease_until_ms=self._now_ms + ttl_ms)
         )
-        try:
-            with self.engine.begin() as conn:
-                return conn.execute(stmt).rowcount == 1
-        except SQLAlchemyError as exc:
-            raise StoreUnavailableError(f"cannot renew node {node!r} of pool {pool!r}") from exc
+        with translated(f"renew node {node!r} of pool {pool!r}"), self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount == 1
 
     def release(self, pool: str, node: str, owner: str, hold_ms: int) -> None:
         """See :class:`idemq.ids.node_lease.LeaseBackend`."""
@@ -189,8 +173,5 @@ class SqlLeaseBackend:
             .where(t.c.pool == pool, t.c.node == node, t.c.owner == owner)
             .values(lease_until_ms=self._now_ms + hold_ms)
         )
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(stmt)
-        except SQLAlchemyError as exc:
-            raise StoreUnavailableError(f"cannot release node {node!r} of pool {pool!r}") from exc
+        with translated(f"release node {node!r} of pool {pool!r}"), self.engine.begin() as conn:
+            conn.execute(stmt)

@@ -20,7 +20,6 @@ from typing import Protocol, runtime_checkable
 
 import redis
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from idemq._plan import drive
 from idemq.drivers.redis import (
@@ -32,8 +31,8 @@ from idemq.drivers.redis import (
     RunScript,
     redis_client,
 )
-from idemq.drivers.sql import sql_engine, translate_db_error
-from idemq.errors import ConfigurationError, StoreUnavailableError
+from idemq.drivers.sql import create_table_once, sql_engine, translated
+from idemq.errors import ConfigurationError, DuplicateKeyError, StoreUnavailableError
 
 __all__ = [
     "FileTimestampStore",
@@ -164,16 +163,7 @@ class SqlTimestampStore:
             sa.Column("key", sa.String(128), primary_key=True),
             sa.Column("until_ms", sa.BigInteger, nullable=False),
         )
-        try:
-            self.table.create(self.engine, checkfirst=True)
-        except SQLAlchemyError as exc:
-            # Another process may have created it between the check and the CREATE.
-            try:
-                exists = sa.inspect(self.engine).has_table(table)
-            except SQLAlchemyError:
-                exists = False  # the database cannot be reached: report the first failure
-            if not exists:
-                raise translate_db_error(exc, f"creating table {table!r}") from exc
+        create_table_once(self.engine, self.table)
 
     def close(self) -> None:
         """Dispose of the engine if this store created it from a URL."""
@@ -183,11 +173,8 @@ class SqlTimestampStore:
     def load(self) -> int | None:
         """See :meth:`LastTimestampStore.load`."""
         query = sa.select(self.table.c.until_ms).where(self.table.c.key == self.key)
-        try:
-            with self.engine.connect() as conn:
-                value = conn.execute(query).scalar_one_or_none()
-        except SQLAlchemyError as exc:
-            raise StoreUnavailableError(f"cannot read id reservation {self.key!r}") from exc
+        with translated(f"read id reservation {self.key!r}"), self.engine.connect() as conn:
+            value = conn.execute(query).scalar_one_or_none()
         return None if value is None else int(value)
 
     def advance(self, until_ms: int) -> None:
@@ -199,19 +186,17 @@ class SqlTimestampStore:
             .where(t.c.key == self.key, t.c.until_ms < until_ms)
             .values(until_ms=until_ms)
         )
+        doing = f"persist id reservation {self.key!r}"
+        with translated(doing), self.engine.begin() as conn:
+            if conn.execute(raise_value).rowcount == 1:
+                return
+            exists = conn.execute(sa.select(t.c.key).where(t.c.key == self.key)).first()
+            if exists is not None:
+                return  # already at or above until_ms
         try:
-            with self.engine.begin() as conn:
-                if conn.execute(raise_value).rowcount == 1:
-                    return
-                exists = conn.execute(sa.select(t.c.key).where(t.c.key == self.key)).first()
-                if exists is not None:
-                    return  # already at or above until_ms
-            try:
-                with self.engine.begin() as conn:
-                    conn.execute(sa.insert(t).values(key=self.key, until_ms=until_ms))
-            except IntegrityError:
-                # Someone inserted first: fall back to the conditional update.
-                with self.engine.begin() as conn:
-                    conn.execute(raise_value)
-        except SQLAlchemyError as exc:
-            raise StoreUnavailableError(f"cannot persist id reservation {self.key!r}") from exc
+            with translated(doing), self.engine.begin() as conn:
+                conn.execute(sa.insert(t).values(key=self.key, until_ms=until_ms))
+        except DuplicateKeyError:
+            # Someone inserted first: fall back to the conditional update.
+            with translated(doing), self.engine.begin() as conn:
+                conn.execute(raise_value)

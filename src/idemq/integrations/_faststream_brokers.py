@@ -13,9 +13,10 @@ Redis Stream  —                       no-op: stays in the PEL     no-op: stays
 MQTT          —                       no-op (no nack in MQTT)     **PUBACK** (same as ack)
 ============  ======================  ==========================  ============================
 
-So a :class:`Family` per broker says where the id is, how many deliveries the broker counted,
-how to have a message delivered again after a delay, and how to drop a dead one. Retrying and
-dead-lettering are decided once, in :func:`idemq.brokers.base.decide`.
+So a :class:`Family` per broker (found by FastStream's message class) says where the id is, how
+many deliveries the broker counted, how to have a message delivered again after a delay, and how
+to drop a dead one. Retrying and dead-lettering are decided once, in
+:func:`idemq.brokers.settlement.decide`.
 
 Every settlement here is awaited before the middleware returns, and every message class guards
 its settle calls (RabbitMQ ``raw.locked``, NATS ``raw._ackd``, the others ``committed``), so the
@@ -25,6 +26,7 @@ ack FastStream's own AcknowledgementMiddleware sends afterwards is a no-op, neve
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 __all__ = ["Family", "family_of"]
@@ -168,25 +170,39 @@ class InPlaceFamily(Family):
 
 
 _GENERIC = Family()
-_BY_PACKAGE: dict[str, Family] = {
-    "rabbit": RabbitFamily(),
-    "nats": NatsFamily(),
-    "kafka": KafkaFamily(),
-    "confluent": KafkaFamily(),
-    "mqtt": InPlaceFamily(),
-}
-_REDIS_STREAM = RedisStreamFamily()
-_IN_PLACE = _BY_PACKAGE["mqtt"]
+_IN_PLACE = InPlaceFamily()
+_REDIS_STREAMS = ("RedisStreamMessage", "RedisBatchStreamMessage")
+_REDIS_OTHERS = ("RedisMessage", "RedisListMessage", "RedisBatchListMessage", "RedisChannelMessage")
+
+# FastStream's message classes (``faststream.<broker>.message``; the names the broker packages
+# export are ``Annotated`` aliases for dependency injection, not classes), and their family.
+_MESSAGE_CLASSES: tuple[tuple[str, tuple[str, ...], Family], ...] = (
+    ("faststream.rabbit.message", ("RabbitMessage",), RabbitFamily()),
+    ("faststream.nats.message", ("NatsMessage",), NatsFamily()),
+    ("faststream.kafka.message", ("KafkaMessage",), KafkaFamily()),
+    ("faststream.confluent.message", ("KafkaMessage",), KafkaFamily()),
+    (
+        "faststream.redis.message",
+        ("RedisStreamMessage", "RedisBatchStreamMessage"),
+        RedisStreamFamily(),
+    ),
+    (
+        "faststream.redis.message",
+        ("RedisMessage", "RedisListMessage", "RedisChannelMessage"),
+        _IN_PLACE,
+    ),
+    ("faststream.redis.message", ("RedisBatchListMessage",), _IN_PLACE),
+    ("faststream.mqtt.message", ("MQTTMessage",), _IN_PLACE),
+)
 
 
 def family_of(msg: Any) -> Family:
-    """The :class:`Family` of a FastStream message, told by the package its class lives in."""
-    module = type(msg).__module__
-    parts = module.split(".")
-    if len(parts) < 2 or parts[0] != "faststream":
-        return _GENERIC
-    if parts[1] == "redis":
-        raw = msg.raw_message
-        kind = raw.get("type") if isinstance(raw, dict) else None
-        return _REDIS_STREAM if kind in ("stream", "bstream") else _IN_PLACE
-    return _BY_PACKAGE.get(parts[1], _GENERIC)
+    """The :class:`Family` of a FastStream message: the one whose message class it is an
+    instance of (:class:`Family`'s generic behaviour for any other)."""
+    for module, names, family in _MESSAGE_CLASSES:
+        # Only a broker package already imported can have made a message: looking it up does
+        # not import the other brokers' client libraries (or fail where they are missing).
+        package = sys.modules.get(module)
+        if package is not None and isinstance(msg, tuple(getattr(package, n) for n in names)):
+            return family
+    return _GENERIC

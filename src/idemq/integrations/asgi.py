@@ -8,6 +8,8 @@ store — the body of a guarded request (for its fingerprint) and of its respons
 One guarded request::
 
     key     Idempotency-Key header (or key=callable(scope, body)) → dedup id in the client's scope
+    lock    PostgreSQL, transactional: the key's in-flight lock (:mod:`._inflight`); taken by a
+            first request still running → 409 (or tried again up to ``wait_s``)
     claim   the guard claims the id (AsyncIdempotency.process), with the request's fingerprint
     run     the app runs with the response captured; a transactional store's connection is in
             scope["state"]["idemq_tx"], so the app's writes join the dedup row's transaction
@@ -23,13 +25,17 @@ The rules themselves (key syntax, scoping, fingerprint, header filter, problem b
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from idemq._clock import Clock
-from idemq.drivers.sql import translated
+from idemq.drivers.sql import translate_db_error, translated
 from idemq.errors import (
     ConfigurationError,
     InvalidMessageIdError,
@@ -53,6 +59,7 @@ from idemq.integrations._asgi import (
     replaying,
     respond,
 )
+from idemq.integrations._inflight import lock_pauses, try_lock_sql
 from idemq.integrations.http import (
     DEFAULT_METHODS,
     KEY_HEADER,
@@ -67,6 +74,7 @@ from idemq.integrations.http import (
 )
 from idemq.integrations.http import stored_statuses as _stored_statuses
 from idemq.stores.base import AsyncStore, AsyncTransactionalStore
+from idemq.stores.sql.store_async import AsyncSqlStore
 
 __all__ = ["TX_STATE_KEY", "IdempotencyKeyMiddleware"]
 
@@ -176,11 +184,15 @@ class IdempotencyKeyMiddleware:
         self.methods = frozenset(m.upper() for m in methods)
         self.scope_fn = scope
         self.key_fn = key
-        # Transactional with a bounded wait: the middleware opens the transaction (PostgreSQL:
-        # and bounds the claim's lock wait, SET LOCAL lock_timeout) and the guard joins it, so
-        # a lock wait that ran out is this request's 409, not a transaction the guard reruns.
-        self.owns_transaction = self.guard.mode is Mode.TRANSACTIONAL and wait_s is not None
-        self.lock_wait_ms = round((wait_s or 0) * 1000)
+        # Transactional with a bounded wait: the middleware opens the connection (PostgreSQL:
+        # and tries the key's in-flight lock on it) and the guard's transaction is its own, so
+        # a key in flight or a deadlock is this request's 409, not a transaction the guard reruns.
+        self.owns_connection = (
+            self.guard.mode is Mode.TRANSACTIONAL
+            and wait_s is not None
+            and isinstance(store, AsyncSqlStore)
+        )
+        self.wait_s = wait_s or 0.0
         self.stored_statuses = _stored_statuses(stored_statuses)
         self.max_key_chars = max_key_chars
         self.max_request_bytes = max_request_bytes
@@ -293,21 +305,13 @@ class IdempotencyKeyMiddleware:
         capture = Capture(self.max_response_bytes)
 
         async def handler(tx: Any) -> dict[str, Any]:
-            if self.owns_transaction:
-                await _lock_wait(tx, None)  # the app's own writes wait as they always would
             await self.app(app_scope(scope, tx), receive, capture.send)
             return self._judge(capture)
 
         outcome: Outcome[dict[str, Any]]
         try:
-            if self.owns_transaction:
-                store = self.store
-                assert isinstance(store, AsyncTransactionalStore)
-                async with store.transaction() as conn:
-                    await _lock_wait(conn, self.lock_wait_ms)
-                    outcome = await self.guard.process(
-                        message_id, handler, payload=fingerprint, connection=conn
-                    )
+            if self.owns_connection:
+                outcome = await self._on_own_connection(message_id, handler, fingerprint)
             else:
                 outcome = await self.guard.process(message_id, handler, payload=fingerprint)
         except _NotStored as response:
@@ -317,8 +321,9 @@ class IdempotencyKeyMiddleware:
             await self._problem(send, Problem.reused())
             return
         except (StoreConflictError, LeaseLostError):
-            # Transactional: the first request's row lock outlasted wait_s (or a deadlock
-            # rolled this one back): nothing was written, a retry is safe.
+            # Transactional: a deadlock rolled this one back, or (a database without the
+            # in-flight lock) the first request's row lock outlasted the server's lock
+            # timeout: nothing was written, a retry is safe.
             await self._problem(send, Problem.in_flight())
             return
         except StoreError:
@@ -333,6 +338,46 @@ class IdempotencyKeyMiddleware:
             await respond(send, stored.status, stored.replay_headers(), stored.body)
         else:
             await self._problem(send, Problem.in_flight())
+
+    async def _on_own_connection(
+        self, message_id: str, handler: Callable[[Any], Awaitable[dict[str, Any]]], fingerprint: str
+    ) -> Outcome[dict[str, Any]]:
+        """The guard on a connection the middleware checked out and has not begun.
+
+        The guard then begins the transaction itself rather than a savepoint inside one of the
+        middleware's: no savepoint is needed, because nothing outlives a failure here (a handler
+        that raised, or a response that is not stored, rolls the whole transaction back).
+        PostgreSQL: the key's in-flight lock comes first (:mod:`idemq.integrations._inflight`);
+        a key still running is IN_PROGRESS with nothing claimed.
+        """
+        store = self.store
+        assert isinstance(store, AsyncSqlStore)
+        with translated(f"connect on {store.where}"):
+            conn = await store.engine.connect()
+        try:
+            if not await self._lock_in_flight(conn, message_id):
+                return Outcome(Status.IN_PROGRESS, message_id)
+            return await self.guard.process(
+                message_id, handler, payload=fingerprint, connection=conn
+            )
+        finally:
+            with translated(f"close on {store.where}"):
+                await _end_driver_transaction(conn)
+                await conn.close()
+
+    async def _lock_in_flight(self, conn: AsyncConnection, message_id: str) -> bool:
+        """PostgreSQL: take the key's in-flight lock, trying again for up to ``wait_s``; False
+        when it stayed taken. Other databases: True (the claim waits on the row lock)."""
+        if conn.dialect.name != "postgresql":
+            return True
+        statement = try_lock_sql(self.guard.consumer, message_id)
+        pauses = lock_pauses(self.wait_s)
+        while not await _try_lock(conn, statement):
+            pause_s = next(pauses, None)
+            if pause_s is None:
+                return False
+            await asyncio.sleep(pause_s)
+        return True
 
     def _judge(self, capture: Capture) -> dict[str, Any]:
         """The stored form of the captured response, or :class:`_NotStored` to undo the run."""
@@ -362,12 +407,42 @@ class IdempotencyKeyMiddleware:
         await respond(send, problem.status, problem.headers(body), body)
 
 
-async def _lock_wait(conn: Any, wait_ms: int | None) -> None:
-    """PostgreSQL: how long the claim waits for a running first request's row lock before
-    this request is answered 409 (``wait_ms``), or back to the server's setting (None) once
-    the claim is made. Other databases wait as their own lock timeout says."""
-    if conn.dialect.name != "postgresql":
+async def _try_lock(conn: AsyncConnection, statement: str) -> bool:
+    """Run the in-flight lock's ``statement`` in ``conn``'s transaction; its answer.
+
+    psycopg: on the driver's own cursor, so SQLAlchemy's connection stays un-begun and the
+    guard's ``connection.begin()`` makes the transaction its own (psycopg began it with this
+    statement, as a DB-API driver does; the guard's COMMIT or ROLLBACK ends it). Through
+    SQLAlchemy instead, the guard would nest a savepoint in a begun connection: two more round
+    trips, the path other drivers take.
+    """
+    if conn.dialect.driver != "psycopg":
+        with translated("in-flight lock"):
+            return bool((await conn.exec_driver_sql(statement)).scalar_one())
+    with translated("in-flight lock"):
+        driver = (await conn.get_raw_connection()).driver_connection
+    assert driver is not None  # a checked-out connection has its driver's
+    try:
+        async with driver.cursor() as cursor:
+            await cursor.execute(statement)
+            row = await cursor.fetchone()
+    except conn.dialect.loaded_dbapi.Error as exc:
+        wrapped = DBAPIError.instance(None, None, exc, conn.dialect.loaded_dbapi.Error)
+        raise translate_db_error(wrapped, "in-flight lock") from exc
+    return bool(row is not None and row[0])
+
+
+async def _end_driver_transaction(conn: AsyncConnection) -> None:
+    """psycopg: roll back what the in-flight lock began and the guard did not end (the lock
+    was taken, so the guard never ran). The store's pool does not reset a connection it gets
+    back, and one left in a transaction would carry a lock, or an aborted state, to its next
+    user. No round trip when the guard's COMMIT or ROLLBACK already ended it; a connection
+    that cannot roll back is discarded."""
+    if conn.dialect.driver != "psycopg" or conn.invalidated:
         return
-    setting = "DEFAULT" if wait_ms is None else f"'{max(wait_ms, 1)}ms'"
-    with translated("SET LOCAL lock_timeout"):
-        await conn.exec_driver_sql(f"SET LOCAL lock_timeout = {setting}")
+    driver = (await conn.get_raw_connection()).driver_connection
+    assert driver is not None  # a checked-out connection has its driver's
+    try:
+        await driver.rollback()
+    except conn.dialect.loaded_dbapi.Error:
+        await conn.invalidate()

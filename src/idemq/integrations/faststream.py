@@ -58,7 +58,6 @@ from faststream import BaseMiddleware
 from faststream.exceptions import IgnoredException, SkipMessage
 from faststream.message import SourceType, encode_message
 from faststream.response import PublishType
-from sqlalchemy.exc import DBAPIError
 
 from idemq.brokers.base import dead_letter_headers, decode
 from idemq.brokers.settlement import (
@@ -70,7 +69,7 @@ from idemq.brokers.settlement import (
     classify,
     decide,
 )
-from idemq.drivers.sql import translate_db_error
+from idemq.drivers.sql import translated
 from idemq.errors import (
     ConfigurationError,
     InvalidBusinessIdError,
@@ -277,13 +276,12 @@ class IdempotencyMiddleware:
         message_id = derived_id(self.guard.consumer, output.message_id, f"output-{output.outputs}")
         output.outputs += 1
         body, headers = _outgoing(cmd)
-        try:
+        # The begin and the commit translated here; add translates its own statements.
+        with translated(f"outbox add to {self.outbox.table}"):
             async with self.outbox.engine.begin() as conn:
                 await self.outbox.add(
                     conn, cmd.destination, body, headers=headers, message_id=message_id
                 )
-        except DBAPIError as exc:  # the begin or the commit; add translates its own
-            raise translate_db_error(exc, f"outbox add to {self.outbox.table}") from exc
 
     async def settle_output(self, output: _Output, *, failed: bool) -> None:
         """Ack a delivery whose outputs are in the outbox; one whose output could not be put

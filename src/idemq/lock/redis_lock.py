@@ -42,6 +42,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
+from idemq._backoff import Backoff
 from idemq._plan import adrive, drive
 from idemq.drivers.redis import (
     AnyAsyncRedis,
@@ -92,7 +93,9 @@ class _LockState:
         self.max_renewals = max_renewals
         self.on_lost = on_lost
         self.blocking_timeout_s = blocking_timeout_s
-        self.poll_s = poll_s
+        # From poll_s up to a quarter of the TTL (at most 0.5 s): a waiter never sleeps through
+        # much of a released lock's free time. Half of each wait is random (see acquire).
+        self.backoff = Backoff(poll_s, max(poll_s, min(0.5, self.ttl_ms / 4000)), jitter=0.5)
         self.rng = rng or random.Random()
         self.monotonic = monotonic or time.monotonic
         self.token: str | None = None
@@ -111,8 +114,7 @@ class _LockState:
             self.ttl_ms,
             blocking=blocking,
             timeout_s=timeout_s,
-            poll_s=self.poll_s,
-            max_poll_s=max(self.poll_s, min(0.5, self.ttl_ms / 4000)),
+            backoff=self.backoff,
             rng=self.rng,
             monotonic=self.monotonic,
         )

@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from idemq._backoff import Backoff
 from idemq.drivers.redis import (
     EXTEND_IF_OWNER,
     Call,
@@ -113,8 +114,7 @@ def acquire(
     *,
     blocking: bool,
     timeout_s: float | None,
-    poll_s: float,
-    max_poll_s: float,
+    backoff: Backoff,
     rng: random.Random,
     monotonic: Callable[[], float],
 ) -> Op[int | None]:
@@ -127,10 +127,10 @@ def acquire(
             return int(fence)
         if not blocking or (deadline is not None and monotonic() >= deadline):
             return None
-        # Exponential, capped, with ±50 % jitter: waiters released together by one expiry do
-        # not hammer Redis in lock-step.
-        delay = min(max_poll_s, poll_s * 2**attempt) * (0.5 + rng.random())
+        # Jittered (``backoff``'s own): waiters released together by one expiry do not hammer
+        # Redis in lock-step.
         attempt += 1
+        delay = backoff.delay_s(attempt, rng.random)
         if deadline is not None:
             delay = max(0.0, min(delay, deadline - monotonic()))
         yield Pause(delay)

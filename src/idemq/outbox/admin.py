@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import inspect
-from sqlalchemy.exc import DBAPIError
 
-from idemq.drivers.sql import translate_db_error
-from idemq.errors import InvalidInputError
-from idemq.outbox.outbox import Outbox, id_taken
+from idemq.drivers.sql import translated
+from idemq.errors import DuplicateKeyError, InvalidInputError
+from idemq.outbox.outbox import Outbox
 
 __all__ = ["OutboxStats", "cleanup", "outbox_report", "outbox_stats", "retry_dead"]
 
@@ -33,28 +32,22 @@ def cleanup(
     now = outbox.clock() if now_ms is None else now_ms
     cutoff = now - int(keep_sent_s * 1000)
     total = 0
-    try:
-        while True:
-            with outbox.engine.begin() as conn:
-                sql = outbox.statements(conn.dialect)
-                deleted = conn.execute(sql.cleanup, {"cutoff_ms": cutoff, "limit": batch}).rowcount
-            total += deleted
-            if deleted < batch:
-                return total
-    except DBAPIError as exc:
-        raise translate_db_error(exc, f"cleanup of {outbox.table}") from exc
+    while True:
+        with translated(f"cleanup of {outbox.table}"), outbox.engine.begin() as conn:
+            sql = outbox.statements(conn.dialect)
+            deleted = conn.execute(sql.cleanup, {"cutoff_ms": cutoff, "limit": batch}).rowcount
+        total += deleted
+        if deleted < batch:
+            return total
 
 
 def outbox_stats(outbox: Outbox, *, now_ms: int | None = None) -> OutboxStats:
     """Pending rows, the age of the oldest one, dead rows."""
     now = outbox.clock() if now_ms is None else now_ms
-    try:
-        with outbox.engine.connect() as conn:
-            sql = outbox.statements(conn.dialect)
-            pending, oldest = conn.execute(sql.stats).one()
-            dead = conn.execute(sql.dead_count).scalar_one()
-    except DBAPIError as exc:
-        raise translate_db_error(exc, f"stats of {outbox.table}") from exc
+    with translated(f"stats of {outbox.table}"), outbox.engine.connect() as conn:
+        sql = outbox.statements(conn.dialect)
+        pending, oldest = conn.execute(sql.stats).one()
+        dead = conn.execute(sql.dead_count).scalar_one()
     age_s = max(0.0, (now - int(oldest)) / 1000) if oldest is not None else 0.0
     return OutboxStats(pending=int(pending), oldest_pending_age_s=age_s, dead=int(dead))
 
@@ -64,7 +57,10 @@ def retry_dead(outbox: Outbox, message_id: str) -> bool:
     ``False`` if there is no such dead row."""
     now = outbox.clock()
     try:
-        with outbox.engine.begin() as conn:
+        with (
+            translated(f"retry of {message_id!r} in {outbox.table}"),
+            outbox.engine.begin() as conn,
+        ):
             sql = outbox.statements(conn.dialect)
             row = conn.execute(sql.from_dead, {"id": message_id}).one_or_none()
             if row is None:
@@ -85,10 +81,8 @@ def retry_dead(outbox: Outbox, message_id: str) -> bool:
                 raise _already_waiting(outbox, message_id)
             conn.execute(sql.delete_dead, {"id": message_id})
             return True
-    except DBAPIError as exc:
-        if id_taken(exc):
-            raise _already_waiting(outbox, message_id) from exc
-        raise translate_db_error(exc, f"retry of {message_id!r} in {outbox.table}") from exc
+    except DuplicateKeyError as exc:
+        raise _already_waiting(outbox, message_id) from exc
 
 
 def _already_waiting(outbox: Outbox, message_id: str) -> InvalidInputError:
@@ -104,11 +98,9 @@ def outbox_report(store: Any, table: str) -> dict[str, Any] | None:
     if engine is None or not hasattr(engine, "connect"):
         return None
     outbox = Outbox(store, table=table)
-    try:
+    with translated(f"stats of {table}"):
         if not inspect(engine).has_table(table):
             return None
-    except DBAPIError as exc:
-        raise translate_db_error(exc, f"stats of {table}") from exc
     stats = outbox_stats(outbox)
     return {
         "table": table,

@@ -70,7 +70,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def derived_id(consumer: str, message_id: str, index: int | str, generation: int = 0) -> str:
-    """``OUTBOX-<uuid5>`` of the parts (44 characters, however long they are). ``index``: the
+    """``OUTBOX-<uuid5>`` of the parts (43 characters, however long they are). ``index``: the
     add's number in the handler's run, or a name of the caller's for messages made outside it;
     ``generation``: 1, 2 … for a run whose earlier ids are taken (see :func:`derived_ids`).
 

@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
 
+from idemq.drivers.sql import translated
+from idemq.errors import StoreError
 from idemq.outbox.statements import Statements
 
 __all__ = ["RowLeases"]
@@ -77,7 +78,7 @@ class RowLeases:
     def _extend(self, ids: list[str]) -> set[str]:
         """Renew the leases on ``ids``; the ids still held (one short write transaction)."""
         params = {"ids": ids, "owner": self._owner, "until_ms": self._clock() + self._lease_ms}
-        with self._engine.begin() as conn:
+        with translated("renew the relay's row leases"), self._engine.begin() as conn:
             return {row.id for row in conn.execute(self._renew, params)}
 
     def fence(self, row_id: str) -> bool:
@@ -85,7 +86,7 @@ class RowLeases:
         when another relay holds it now (the row is then this relay's no longer: neither
         published nor deleted by it). A lease with less than half its length left (renewals
         lagging) is renewed first, so the publish starts with at least half a lease ahead."""
-        with self._engine.connect() as conn:
+        with translated(f"read the lease of row {row_id!r}"), self._engine.connect() as conn:
             lease = conn.execute(self._lease_of, {"id": row_id}).first()
         held = lease is not None and lease.lease_owner == self._owner
         if lease is not None and held:
@@ -105,7 +106,7 @@ class RowLeases:
                 return
             try:
                 kept = self._extend(ids)
-            except SQLAlchemyError:
+            except StoreError:
                 # A busy or failing database: try again at the next tick; the fence before
                 # each publish still refuses a row that was taken over meanwhile.
                 log.warning("renewing the relay's leases failed", exc_info=True)

@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Connection, Dialect, Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -27,9 +26,15 @@ from idemq.drivers.sql import (
     driver_reports_aborts,
     run_step,
     transaction_aborted,
-    translate_db_error,
+    translated,
 )
-from idemq.errors import ConfigurationError, InvalidInputError, StoreError, TransactionLostError
+from idemq.errors import (
+    ConfigurationError,
+    DuplicateKeyError,
+    InvalidInputError,
+    StoreError,
+    TransactionLostError,
+)
 from idemq.outbox.ids import derived_ids, next_outbox_id
 from idemq.outbox.schema import (
     DEFAULT_TABLE,
@@ -46,7 +51,6 @@ __all__ = ["AsyncOutbox", "Outbox", "OutboxBase", "add_plan"]
 MAX_KEY_LENGTH = 128
 MAX_DESTINATION_LENGTH = 255
 MAX_GENERATIONS = 1000  # runs of one message whose rows are all still there: not a real case
-MYSQL_DUPLICATE_KEY = 1062
 
 
 def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
@@ -90,7 +94,7 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
             raise InvalidInputError(f"outbox message_id must be 1..128 characters: {message_id!r}")
         if not (yield Step(sql.has_id, {"id": message_id})).rows:
             # A racing add of the same id that committed first: it is there, once.
-            with contextlib.suppress(IdTakenError):
+            with contextlib.suppress(DuplicateKeyError):
                 yield Step(statement, {**params, "id": message_id})
         return message_id
     candidates = derived_ids()
@@ -101,33 +105,11 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
     for candidate in itertools.islice(candidates, MAX_GENERATIONS):
         try:
             reply = yield Step(statement, {**params, "id": candidate})
-        except IdTakenError:
+        except DuplicateKeyError:  # MariaDB/MySQL; the others answer with a row count of 0
             continue
         if reply.rowcount:
             return candidate
     raise StoreError(f"outbox add: {MAX_GENERATIONS} derived ids of this message are all taken")
-
-
-class IdTakenError(StoreError):
-    """An INSERT found its id taken (MySQL/MariaDB's 1062; the other databases say it with a
-    row count of 0): thrown into :func:`add_plan`, never raised to the caller."""
-
-
-def id_taken(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (SQLAlchemy's or the driver's own) is MySQL/MariaDB's duplicate key
-    (1062): the INSERT's id is taken."""
-    if isinstance(exc, DBAPIError):
-        orig: BaseException | None = exc.orig if isinstance(exc, IntegrityError) else None
-    else:
-        orig = exc if any(c.__name__ == "IntegrityError" for c in type(exc).__mro__) else None
-    args: tuple[Any, ...] = getattr(orig, "args", ())
-    return bool(args) and args[0] == MYSQL_DUPLICATE_KEY
-
-
-def _taken_or_failed(error: StoreError) -> StoreError:
-    """A failed INSERT of the add: :class:`IdTakenError` when its id was taken, else ``error``
-    (the driver's error translated)."""
-    return IdTakenError(str(error.__cause__)) if id_taken(error.__cause__) else error
 
 
 class OutboxBase:
@@ -148,10 +130,6 @@ class OutboxBase:
     def ddl(self, dialect: Dialect) -> str:
         """The outbox tables' DDL for ``dialect``."""
         return ddl(dialect, self.table)
-
-    @property
-    def doing_add(self) -> str:
-        return f"outbox add to {self.table}"
 
     def _check_not_aborted(self, driver_connection: Any) -> None:
         # A handler that caught a failed statement without a savepoint of its own leaves
@@ -189,21 +167,15 @@ class Outbox(OutboxBase):
 
     def create_schema(self) -> None:
         """Create the outbox tables and indexes that are missing (safe to call twice)."""
-        try:
-            with self.engine.begin() as conn:
-                adopt_or_create(conn, self.table)
-        except DBAPIError as exc:
-            raise translate_db_error(exc, f"create outbox {self.table}") from exc
+        with translated(f"create outbox {self.table}"), self.engine.begin() as conn:
+            adopt_or_create(conn, self.table)
 
     def drop_schema(self) -> None:
         """Drop both outbox tables (tests, teardown)."""
-        try:
-            with self.engine.begin() as conn:
-                for table in tables_for(conn.dialect, self.table):
-                    table.drop(conn, checkfirst=True)
-                    forget_version(conn, table.name)
-        except DBAPIError as exc:
-            raise translate_db_error(exc, f"drop outbox {self.table}") from exc
+        with translated(f"drop outbox {self.table}"), self.engine.begin() as conn:
+            for table in tables_for(conn.dialect, self.table):
+                table.drop(conn, checkfirst=True)
+                forget_version(conn, table.name)
 
     def add(
         self,
@@ -246,8 +218,11 @@ class Outbox(OutboxBase):
             )
             return added
         conn = _sync_connection(conn_or_session)
+        doing = f"outbox add to {self.table}"
         if driver_reports_aborts(conn.dialect):
-            self._check_not_aborted(conn.connection.driver_connection)
+            with translated(doing):
+                driver_connection = conn.connection.driver_connection
+            self._check_not_aborted(driver_connection)
         plan = add_plan(
             self.statements(conn.dialect),
             destination,
@@ -258,13 +233,7 @@ class Outbox(OutboxBase):
             message_id,
         )
 
-        def execute(step: Step) -> Reply:
-            try:
-                return run_step(conn, step, self.doing_add)
-            except StoreError as error:
-                raise _taken_or_failed(error) from error.__cause__
-
-        return drive(plan, execute)
+        return drive(plan, lambda step: run_step(conn, step, doing))
 
 
 class AsyncOutbox(OutboxBase):
@@ -290,11 +259,9 @@ class AsyncOutbox(OutboxBase):
 
     async def create_schema(self) -> None:
         """Create the outbox tables and indexes that are missing (safe to call twice)."""
-        try:
+        with translated(f"create outbox {self.table}"):
             async with self.engine.begin() as conn:
                 await conn.run_sync(lambda sync: adopt_or_create(sync, self.table))
-        except DBAPIError as exc:
-            raise translate_db_error(exc, f"create outbox {self.table}") from exc
 
     async def add(
         self,
@@ -315,8 +282,10 @@ class AsyncOutbox(OutboxBase):
             raise ConfigurationError(
                 f"add needs an AsyncConnection or AsyncSession, got {type(conn_or_session)}"
             )
+        doing = f"outbox add to {self.table}"
         if driver_reports_aborts(conn.dialect):
-            raw = await conn.get_raw_connection()
+            with translated(doing):
+                raw = await conn.get_raw_connection()
             self._check_not_aborted(raw.driver_connection)
         plan = add_plan(
             self.statements(conn.dialect),
@@ -329,10 +298,7 @@ class AsyncOutbox(OutboxBase):
         )
 
         async def execute(step: Step) -> Reply:
-            try:
-                return await arun_step(conn, step, self.doing_add)
-            except StoreError as error:
-                raise _taken_or_failed(error) from error.__cause__
+            return await arun_step(conn, step, doing)
 
         return await adrive(plan, execute)
 

@@ -49,18 +49,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, Row
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from idemq._backoff import Backoff
 from idemq._clock import system_clock_ms
+from idemq._outage import Outage
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
-from idemq.drivers.sql import DriverStatement, Step, run_step, translate_db_error
+from idemq.drivers.sql import DriverStatement, Step, run_step, translated
 from idemq.errors import (
     BrokerError,
     BrokerUnavailableError,
     ConfigurationError,
     StoreError,
-    StoreUnavailableError,
 )
 from idemq.outbox.admin import cleanup
 from idemq.outbox.leases import RowLeases
@@ -125,8 +125,8 @@ class OutboxRelay:
         self._broker: Broker | None = None if isinstance(broker, str) else broker
         self.batch_size = max(1, batch_size)
         self.max_attempts = max(1, max_attempts)
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        # A refused row waits backoff_s, doubling with each further refusal.
+        self.backoff = Backoff(backoff_s, max_backoff_s)
         self.keep_sent_s = keep_sent_s
         self.poll_s = poll_s
         self.lease_s = lease_s
@@ -151,18 +151,14 @@ class OutboxRelay:
         # must not count as a refusal of the rows.
         self._open_broker()
         try:
-            if sql.lease:
-                return self._leased_batch(sql)
-            return self._locked_batch(sql)
-        except StoreError:  # a statement run_step translated
+            with translated(f"relay of {self.outbox.table}"):
+                if sql.lease:
+                    return self._leased_batch(sql)
+                return self._locked_batch(sql)
+        except StoreError:
+            # Its connection may be the one that failed: the next batch opens a fresh one.
             self._drop_connection()
             raise
-        except DBAPIError as exc:
-            self._drop_connection()
-            raise translate_db_error(exc, self.doing) from exc
-        except SQLAlchemyError as exc:
-            self._drop_connection()
-            raise StoreUnavailableError(f"relay of {self.outbox.table}: {exc}") from exc
 
     def _locked_batch(self, sql: Statements) -> BatchResult:
         conn = self._connection()
@@ -247,7 +243,7 @@ class OutboxRelay:
                 self._run(conn, sql.delete_sent, {"ids": result.published})
         for row_id in result.retried:
             attempts, reason = result.refused[row_id]
-            delay_s = min(self.backoff_s * 2**attempts, self.max_backoff_s)
+            delay_s = self.backoff.delay_s(attempts + 1)
             params = {"id": row_id, "counted": 1, "error": reason, **mine}
             conn.execute(sql.fail, {**params, "next_ms": now + int(delay_s * 1000)})
         for row_id in result.dead:
@@ -263,17 +259,20 @@ class OutboxRelay:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event | None = None) -> None:
+    def run(self, stop: threading.Event | None = None, outage: Outage | None = None) -> None:
         """Relay until ``stop`` is set: full batches back to back, then wait for a NOTIFY
-        (PostgreSQL) or ``poll_s``; an outage of the broker or the store is waited out. A
+        (PostgreSQL) or ``poll_s``. An outage of the broker or the store is waited out as
+        ``outage`` says (default: never give up; ``idemq worker --relay`` passes the worker's
+        own give-up time): when it gives up, its error is raised. A
         :class:`~idemq.ConfigurationError` (a store that refuses the login, say) before the
-        first batch is raised instead."""
+        first batch is raised at once."""
         stop = stop or threading.Event()
+        outage = outage or Outage(None, stop)
         waiter = _waiter_for(self.outbox)
-        outage_s = 0.0
         started = False
         try:
             while not stop.is_set():
+                outage.attempting()
                 try:
                     result = self.run_once()
                     self.cleanup_if_due()
@@ -283,16 +282,15 @@ class OutboxRelay:
                         # batch: the same settings fail the same way, no wait helps (the CLI
                         # exits 2). Once running, it is waited out like an outage.
                         raise
-                    result = BatchResult(outage=_as_outage(exc))
+                    failure: StoreError | BrokerError | None = exc
                 else:
                     started = True
-                if result.outage is not None:
-                    outage_s = min(max(outage_s * 2, 0.1), 5.0)
-                    log.warning("relay waiting %.1fs: %s", outage_s, result.outage)
+                    failure = result.outage
+                if failure is not None:
                     self._drop_broker()
-                    stop.wait(outage_s)
+                    outage.failed(failure, f"relaying {self.outbox.where}")
                     continue
-                outage_s = 0.0
+                outage.over()
                 if result.claimed < self.batch_size:
                     waiter.wait(self.poll_s, stop)
         finally:
@@ -321,13 +319,9 @@ class OutboxRelay:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    @property
-    def doing(self) -> str:
-        return f"relay of {self.outbox.table}"
-
     def _run(self, conn: Connection, statement: DriverStatement, params: dict[str, Any]) -> Any:
         """The rows of ``statement`` run on the driver's cursor (errors translated)."""
-        return run_step(conn, Step(statement, params), self.doing).rows
+        return run_step(conn, Step(statement, params), f"relay of {self.outbox.table}").rows
 
     def _connection(self) -> Connection:
         if self._conn is None or self._conn.closed or self._conn.invalidated:
@@ -358,14 +352,6 @@ class OutboxRelay:
             except Exception:  # a dead connection may fail to close; drop it
                 log.debug("closing the broker failed", exc_info=True)
             self._broker = None
-
-
-def _as_outage(exc: Exception) -> BrokerUnavailableError:
-    if isinstance(exc, BrokerUnavailableError):
-        return exc
-    outage = BrokerUnavailableError(f"{type(exc).__name__}: {exc}")
-    outage.__cause__ = exc
-    return outage
 
 
 class _Waiter:

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from idemq.drivers.urls import is_redis_url
 from idemq.stores.redis.store import RedisStore
 from idemq.stores.sql.store import SqlStore
 
 __all__ = ["is_redis_url", "open_store"]
-
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-def is_redis_url(url: str) -> bool:
-    """True for a Redis store URL; anything else is taken as an SQLAlchemy URL."""
-    return url.startswith(_REDIS_SCHEMES)
 
 
 def open_store(url: str, **options: Any) -> Any:

@@ -8,8 +8,13 @@ in :mod:`idemq.guard.core`. A backend only has to answer these questions atomica
 * ``complete``  — PROCESSING → PROCESSED with the result, only if ``owner`` still holds it.
 * ``release``   — delete the PROCESSING record, only if ``owner`` still holds it (retry at once).
 
-A :class:`TransactionalStore` (SQL) adds the same-transaction flavour: the claim is written as
-PROCESSED inside the caller's transaction, so it commits or rolls back with the business change.
+Those, with ``claim_many``, ``renew`` and ``forget``, are :class:`GuardStore`: all the guard ever
+calls, and all a backend author writes to serve it. A :class:`TransactionalGuardStore` (SQL) adds
+the same-transaction flavour: the claim is written as PROCESSED inside the caller's transaction,
+so it commits or rolls back with the business change. What operators ask (``get``, ``find``,
+``in_progress``, ``purge``, ``stats``, ``force_release``) is :class:`StoreAdmin`, apart, since
+it never runs on a message's path. :class:`Store` and :class:`TransactionalStore` are the two
+together: what every idemq store is. Each has an ``Async`` twin, the same methods awaited.
 
 Times: every ``*_ms`` is integer epoch milliseconds from the guard's injected clock. A store with
 a server clock (Redis, PostgreSQL, MariaDB/MySQL) sets and judges leases on that clock instead
@@ -32,19 +37,25 @@ from idemq.errors import ConfigurationError, StoreError
 __all__ = [
     "DEFAULT_CONSUMER",
     "LEASE_CLOCKS",
+    "MILLISECOND",
     "STORED_NONE",
     "UTC_EPOCH",
+    "AsyncGuardStore",
     "AsyncStore",
-    "ForgetResult",
+    "AsyncStoreAdmin",
+    "AsyncTransactionalGuardStore",
     "AsyncTransactionalStore",
     "Claim",
     "ClaimRequest",
-    "MILLISECOND",
+    "ForgetResult",
+    "GuardStore",
     "Key",
     "Record",
     "RecordStatus",
     "Store",
+    "StoreAdmin",
     "StoreStats",
+    "TransactionalGuardStore",
     "TransactionalStore",
     "expiry_ms",
 ]
@@ -220,12 +231,21 @@ class StoreStats:
 
 
 @runtime_checkable
-class Store(Protocol):
-    """Lease-mode primitives (every store has them)."""
+class GuardStore(Protocol):
+    """The primitives the guard calls on every message: what a backend must write.
 
-    def claim(self, request: ClaimRequest) -> Claim: ...
+    Each is one atomic step on the server (an ``INSERT … ON CONFLICT``, a ``SET NX PX``, one
+    Lua script); everything around them (validation, hashing, the decision) is the guard's. A
+    store that implements only these serves :class:`~idemq.Idempotency` in lease mode; the
+    operator's tools need :class:`StoreAdmin` too.
+    """
 
-    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
+    def claim(self, request: ClaimRequest) -> Claim:
+        """Take the message for ``request.owner`` (a new record, or a takeover of an expired
+        lease), or hand back the record that holds it."""
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """:meth:`claim` for a batch, in one round trip where the backend can; same order."""
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
         """Mark PROCESSED; raise :class:`~idemq.LeaseLostError` if ``owner`` lost the lease."""
@@ -237,7 +257,33 @@ class Store(Protocol):
         """Extend ``owner``'s live claim to ``lease_until_ms``; False when ``owner`` no longer
         holds it (taken over, released, completed or gone)."""
 
-    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None: ...
+    def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult:
+        """Delete the record of ``message_id`` so the message runs again when it is delivered.
+
+        A PROCESSED record or an expired claim is deleted; a live lease (at ``now_ms``, default
+        the store's clock) only with ``force`` — its holder may be mid-effect. Decided on the
+        server, atomically: a record that changes between an operator's look and this call is
+        judged as it is then."""
+
+    def close(self) -> None:
+        """Release the connections this store opened (a client or engine handed in is the
+        caller's to close)."""
+
+
+@runtime_checkable
+class StoreAdmin(Protocol):
+    """What an operator asks of a store (``idemq inspect``, ``stats``, ``purge``, the metrics
+    gauges): reads and bulk deletes that never run on a message's path."""
+
+    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        """The record of ``message_id`` for ``consumer``, or None."""
 
     def find(self, message_id: str) -> list[Record]:
         """Every consumer's record of ``message_id`` (for inspection)."""
@@ -259,27 +305,16 @@ class Store(Protocol):
 
         A PROCESSED record is never touched (deleting it would let the message run twice)."""
 
-    def forget(
-        self,
-        message_id: str,
-        consumer: str = DEFAULT_CONSUMER,
-        *,
-        force: bool = False,
-        now_ms: int | None = None,
-    ) -> ForgetResult:
-        """Delete the record of ``message_id`` so the message runs again when it is delivered.
 
-        A PROCESSED record or an expired claim is deleted; a live lease (at ``now_ms``, default
-        the store's clock) only with ``force`` — its holder may be mid-effect. Decided on the
-        server, atomically: a record that changes between an operator's look and this call is
-        judged as it is then."""
-
-    def close(self) -> None: ...
+@runtime_checkable
+class Store(GuardStore, StoreAdmin, Protocol):
+    """A complete store: the guard's primitives and the operator's tools (every idemq store)."""
 
 
 @runtime_checkable
-class TransactionalStore(Store, Protocol):
-    """A store whose dedup row can share a transaction with the business change (SQL)."""
+class TransactionalGuardStore(GuardStore, Protocol):
+    """The primitives of a store whose dedup row can share a transaction with the business
+    change (SQL): what the guard calls in transactional mode, besides :class:`GuardStore`."""
 
     def transaction(self, connection: Any = None) -> AbstractContextManager[Any]:
         """Open (or join, via a savepoint) a transaction; yield the connection to write through."""
@@ -287,7 +322,8 @@ class TransactionalStore(Store, Protocol):
     def claim_in(self, tx: Any, request: ClaimRequest) -> Claim:
         """Insert the record as PROCESSED inside ``tx``; a concurrent twin waits on the row lock."""
 
-    def claim_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> list[Claim]: ...
+    def claim_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """:meth:`claim_in` for a batch, in one statement where the backend can; same order."""
 
     def confirm_in(
         self, tx: Any, key: Key, owner: str, result: str, *, deferred: bool = False
@@ -317,8 +353,14 @@ class TransactionalStore(Store, Protocol):
 
 
 @runtime_checkable
-class AsyncStore(Protocol):
-    """Async twin of :class:`Store`: same primitives, awaited."""
+class TransactionalStore(TransactionalGuardStore, Store, Protocol):
+    """A complete transactional store (SQL): :class:`TransactionalGuardStore` and
+    :class:`StoreAdmin`."""
+
+
+@runtime_checkable
+class AsyncGuardStore(Protocol):
+    """Async twin of :class:`GuardStore`: the same primitives, awaited."""
 
     async def claim(self, request: ClaimRequest) -> Claim: ...
 
@@ -329,6 +371,22 @@ class AsyncStore(Protocol):
     async def release(self, key: Key, owner: str) -> None: ...
 
     async def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool: ...
+
+    async def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncStoreAdmin(Protocol):
+    """Async twin of :class:`StoreAdmin`."""
 
     async def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None: ...
 
@@ -344,21 +402,15 @@ class AsyncStore(Protocol):
 
     async def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool: ...
 
-    async def forget(
-        self,
-        message_id: str,
-        consumer: str = DEFAULT_CONSUMER,
-        *,
-        force: bool = False,
-        now_ms: int | None = None,
-    ) -> ForgetResult: ...
 
-    async def close(self) -> None: ...
+@runtime_checkable
+class AsyncStore(AsyncGuardStore, AsyncStoreAdmin, Protocol):
+    """Async twin of :class:`Store`."""
 
 
 @runtime_checkable
-class AsyncTransactionalStore(AsyncStore, Protocol):
-    """Async twin of :class:`TransactionalStore`."""
+class AsyncTransactionalGuardStore(AsyncGuardStore, Protocol):
+    """Async twin of :class:`TransactionalGuardStore`."""
 
     def transaction(self, connection: Any = None) -> AbstractAsyncContextManager[Any]: ...
 
@@ -379,3 +431,8 @@ class AsyncTransactionalStore(AsyncStore, Protocol):
     async def begin_savepoint(self, tx: Any) -> Any: ...
 
     async def end_savepoint(self, savepoint: Any, *, commit: bool) -> None: ...
+
+
+@runtime_checkable
+class AsyncTransactionalStore(AsyncTransactionalGuardStore, AsyncStore, Protocol):
+    """Async twin of :class:`TransactionalStore`."""

@@ -178,7 +178,7 @@ class MemoryStore:
             return True
 
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
-        """See :meth:`idemq.stores.base.Store.renew`."""
+        """See :meth:`idemq.stores.base.GuardStore.renew`."""
         with self._lock:
             current = self._records.get(key)
             if current is None or current.status is not RecordStatus.PROCESSING:
@@ -196,7 +196,7 @@ class MemoryStore:
         force: bool = False,
         now_ms: int | None = None,
     ) -> ForgetResult:
-        """See :meth:`idemq.stores.base.Store.forget`."""
+        """See :meth:`idemq.stores.base.GuardStore.forget`."""
         now = system_clock_ms() if now_ms is None else now_ms
         key = Key(consumer, message_id)
         with self._lock:

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from idemq._outage import Outage
 from idemq.brokers.base import Broker, Delivery
 from idemq.brokers.settlement import RetryPolicy, Verdict, classify
 from idemq.errors import BrokerError, ConfigurationError
@@ -32,7 +33,6 @@ from idemq.message import Message
 from idemq.observe.logs import error_summary
 from idemq.worker.batch import BatchSettings, BatchWorkerLoop
 from idemq.worker.executors import executor
-from idemq.worker.outage import Outage
 from idemq.worker.settle import Settler, WorkerStats
 
 __all__ = ["Guard", "Handler", "Worker"]

@@ -13,6 +13,7 @@ from types import FrameType
 from typing import Any
 
 import idemq
+from idemq._outage import STARTUP_GIVE_UP_AFTER_S, Outage
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker, mask_url
 from idemq.brokers.settlement import RetryPolicy
@@ -28,7 +29,6 @@ from idemq.stores import is_redis_url, store_label
 from idemq.stores.admin import open_store_for
 from idemq.worker.batch import BatchSettings
 from idemq.worker.loop import Handler, Worker
-from idemq.worker.outage import STARTUP_GIVE_UP_AFTER_S, Outage
 from idemq.worker.settle import WorkerStats
 
 __all__ = ["check_handler", "load_handler", "open_guard", "run_worker", "worker_observer"]
@@ -235,8 +235,9 @@ def run_worker(
     The handler is checked before anything is opened: :func:`check_handler`.
     ``give_up_after_s``: how long a broker outage is retried before
     :class:`~idemq.BrokerUnavailableError` is raised (``None``: 30 s while connecting at
-    start-up, never once running). A refused login or vhost raises
-    :class:`~idemq.ConfigurationError` at once.
+    start-up, never once running); the relay thread waits out its broker and store outages by
+    the same rule, and when it gives up the worker stops and its error is raised. A refused
+    login or vhost raises :class:`~idemq.ConfigurationError` at once.
     ``log_error_text``: log a failing handler's exception text and traceback (by default its
     class and where it was raised only: the text may quote the payload).
     ``mode``, ``lease_s``, ``expires_after_s``: see :func:`open_guard`.
@@ -289,20 +290,22 @@ def run_worker(
         startup_give_up_after_s=_startup_budget_s(give_up_after_s),
         log_error_text=log_error_text,
     )
-    stop_relay = threading.Event()
-    relay_thread = None if outbox_relay is None else _start_relay(outbox_relay, stop_relay)
+    relay_thread = None if outbox_relay is None else _RelayThread(outbox_relay, worker)
     try:
         if on_start is not None:
             on_start(worker)
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
-            return _run_with_signals(worker)
-        return worker.run()
+            stats = _run_with_signals(worker)
+        else:
+            stats = worker.run()
     finally:
-        stop_relay.set()
         if relay_thread is not None:
-            relay_thread.join()
+            relay_thread.stop()
         stop_metrics()
         guard.store.close()
+    if relay_thread is not None and relay_thread.error is not None:
+        raise relay_thread.error
+    return stats
 
 
 def _startup_budget_s(give_up_after_s: float | None) -> float:
@@ -334,18 +337,34 @@ def _open_relay(store: object, table: str, broker_url: str) -> idemq.OutboxRelay
     return idemq.OutboxRelay(idemq.Outbox(store, table=table), broker_url)
 
 
-def _start_relay(relay: idemq.OutboxRelay, stop: threading.Event) -> threading.Thread:
-    """``relay`` running on its own thread until ``stop`` is set; it closes itself then."""
+class _RelayThread:
+    """``relay`` running beside ``worker`` under the worker's outage policy: one process, one
+    behaviour. When the relay gives up on an outage it stops the worker (gracefully: in-flight
+    messages still settle) and keeps the error for :func:`run_worker` to raise; when the worker
+    stops, for whatever reason, so does the relay."""
 
-    def run() -> None:
+    def __init__(self, relay: idemq.OutboxRelay, worker: Worker) -> None:
+        self.relay = relay
+        self.worker = worker
+        self.stopping = threading.Event()
+        self.outage = Outage(worker.give_up_after_s, self.stopping)
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="idemq-relay", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
         try:
-            relay.run(stop)
+            self.relay.run(self.stopping, self.outage)
+        except Exception as exc:  # raised again by run_worker, in the main thread
+            self.error = exc
+            self.worker.stop()
         finally:
-            relay.close()
+            self.relay.close()
 
-    thread = threading.Thread(target=run, name="idemq-relay", daemon=True)
-    thread.start()
-    return thread
+    def stop(self) -> None:
+        """Stop the relay and wait until it has closed."""
+        self.stopping.set()
+        self._thread.join()
 
 
 def _run_with_signals(worker: Worker) -> WorkerStats:

@@ -17,7 +17,7 @@ from idemq.brokers.base import Delivery
 from idemq.brokers.kafka import KafkaBroker, KafkaDelivery
 from idemq.errors import ConfigurationError
 from tests.conftest import CI, free_port, port_open, unique
-from tests.contract.brokers import BrokerContract
+from tests.contract.brokers import BrokerContract, first_delivery
 
 pytestmark = pytest.mark.kafka
 
@@ -132,15 +132,6 @@ def test_poll_interval_below_session_timeout_is_refused() -> None:
         assert broker.timeout_s == 0.7
     finally:
         broker.close()
-
-
-def first_delivery(stream: Iterator[Delivery | None], timeout_s: float) -> Delivery:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        delivery = next(stream)
-        if delivery is not None:
-            return delivery
-    raise AssertionError(f"no delivery within {timeout_s}s")
 
 
 def first_of(streams: list[Iterator[Delivery | None]], timeout_s: float) -> tuple[int, Delivery]:

@@ -10,8 +10,10 @@ import pytest
 
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker, Delivery
+from idemq.brokers.nats import stream_name
 from idemq.message import MESSAGE_ID_HEADER
 from tests.conftest import require_service, unique
+from tests.contract.brokers import dead_letter_refused_comes_back
 from tests.contract.brokers_queued_acks import QueuedAckContract
 
 pytestmark = pytest.mark.nats
@@ -72,3 +74,24 @@ def test_idle_pulls_after_delayed_naks_are_idle_not_an_outage() -> None:
         consumer.close()
         publisher.delete_queue(queue)
         publisher.close()
+
+
+def test_a_dead_letter_no_stream_captures_comes_back_to_its_queue() -> None:
+    # The dead-letter stream is deleted while the consumer runs: the copy is refused, so the
+    # original must not be TERMed (lost from both places) but come back to be tried again.
+    require_service("nats")
+    url = "nats://127.0.0.1:4222?ack_wait_s=30"
+    queue = unique("q")
+    consumer = open_broker(url)
+    admin: Any = open_broker(url)
+    try:
+        dead_letter_refused_comes_back(
+            consumer,
+            admin,
+            queue,
+            lambda: admin.settle(admin._js.delete_stream(stream_name(f"{queue}.dlq"))),
+        )
+    finally:
+        consumer.close()
+        admin.delete_queue(queue)
+        admin.close()

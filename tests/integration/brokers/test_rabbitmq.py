@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +14,14 @@ from idemq.brokers.settlement import Verdict
 from idemq.message import MESSAGE_ID_HEADER
 from idemq.worker.loop import Worker
 from tests.conftest import require_service, unique
-from tests.contract.brokers import FAST, Business, Running, wait_for
+from tests.contract.brokers import (
+    FAST,
+    Business,
+    Running,
+    dead_letter_refused_comes_back,
+    first_delivery,
+    wait_for,
+)
 from tests.contract.brokers_queued_acks import QueuedAckContract
 
 pytestmark = pytest.mark.rabbitmq
@@ -99,7 +104,7 @@ class TestRabbitMQ(QueuedAckContract):
         wait_for(lambda: good in business.counts(), 30, "the message behind it, by its real id")
         broker = open_broker(broker_url)
         try:
-            dead = _first(broker.consume(broker.dead_letter_queue(queue)), timeout_s=20)
+            dead = first_delivery(broker.consume(broker.dead_letter_queue(queue)), timeout_s=20)
             original = dict(dead._message.headers or {})  # type: ignore[attr-defined]
             dead.ack()
         finally:
@@ -117,16 +122,6 @@ class TestRabbitMQ(QueuedAckContract):
         assert worker.stats.verdicts[Verdict.INVALID_MESSAGE] == 1
 
 
-def _first(stream: Iterator[Delivery | None], *, timeout_s: float) -> Delivery:
-    deadline = time.monotonic() + timeout_s
-    for delivery in stream:
-        if delivery is not None:
-            return delivery
-        if time.monotonic() > deadline:
-            break
-    raise AssertionError(f"nothing delivered within {timeout_s}s")
-
-
 def test_a_dead_letter_no_queue_takes_leaves_the_original_in_its_queue() -> None:
     # The dead-letter queue is deleted while the consumer runs. The copy must be published
     # mandatory: otherwise RabbitMQ confirms a message it routed nowhere, the original is acked,
@@ -137,17 +132,10 @@ def test_a_dead_letter_no_queue_takes_leaves_the_original_in_its_queue() -> None
     consumer = RabbitMQBroker(url)
     admin = RabbitMQBroker(url, dead_letter=f"{queue}.dlq")
     try:
-        stream = consumer.consume(queue, prefetch=1)  # declares the queue and its .dlq
-        assert next(stream) is None
-        admin.delete_queue(f"{queue}.dlq")  # an operator removes the dead-letter queue
-        admin.publish(queue, b"poison", message_id=f"P_{queue}")
-        first = _first(stream, timeout_s=20)
-        first.dead_letter("invalid_message: test").result(timeout=20)
-        again = _first(stream, timeout_s=20)  # requeued, not acked
-        assert again.message is not None
-        assert (again.message.id, again.body) == (f"P_{queue}", b"poison")
-        again.ack().result(timeout=20)
-        stream.close()
+        # An operator removes the dead-letter queue (admin's dead letters are <queue>.dlq's).
+        dead_letter_refused_comes_back(
+            consumer, admin, queue, lambda: admin.delete_queue(f"{queue}.dlq")
+        )
     finally:
         consumer.close()
         admin.delete_queue(queue)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,29 @@ def test_a_5xx_is_not_stored_and_its_writes_roll_back(alias: str, server: Server
         assert failed.status_code == 500
         assert "Idempotent-Replayed" not in failed.headers
     assert payments(alias, order) == 0
+
+
+@pytest.mark.parametrize("alias", ["pg"], indirect=True)
+def test_a_retry_while_the_first_runs_is_409_at_once(alias: str, server: Server):
+    """PostgreSQL: the key's in-flight lock answers a retry 409 while the first request still
+    runs, without waiting for it (``wait_s=0``), and nothing of the retry is written."""
+    order, key, hold_s = unique("o"), unique("k"), 4.0
+    path = f"/pay?hold_ms={round(hold_s * 1000)}"
+    answers: list[tuple[int, float]] = []
+
+    def send() -> None:
+        started = time.monotonic()
+        status = server.post(path, {"order_id": order, "amount": 5}, key).status_code
+        answers.append((status, time.monotonic() - started))
+
+    first = threading.Thread(target=send)
+    first.start()
+    time.sleep(1.0)  # the first is holding its claim (if the retry claims first, they swap)
+    send()
+    first.join(60)
+    assert sorted(status for status, _ in answers) == [201, 409], answers
+    assert all(took < hold_s for status, took in answers if status == 409), answers
+    assert payments(alias, order) == 1
 
 
 CLIENT = """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -90,3 +91,33 @@ def test_the_migration_is_reversible(alias: str, django_project: Any):
     finally:
         call_command("migrate", "idemq", database=alias, verbosity=0)
     assert set(TABLES) <= set(introspection.table_names())
+
+
+def test_migrate_makes_the_tables_the_settings_name(django_project: Any, tmp_path: Path):
+    """``IDEMQ_TABLE`` / ``IDEMQ_OUTBOX_TABLE``: the migration makes and records tables of
+    those names, and a ``DjangoStore()`` without ``table=`` guards on the dedup one."""
+    databases = {"fresh": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "f.db")}}
+    dedup, outbox = unique("dedup"), unique("outbox")
+    names = {"IDEMQ_DJ_TABLE": dedup, "IDEMQ_DJ_OUTBOX_TABLE": outbox}
+    manage(databases, "fresh", "migrate", "idemq", **names)
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'f.db'}")
+    try:
+        tables = set(sa.inspect(engine).get_table_names())
+        assert {dedup, outbox, f"{outbox}_dead"} <= tables
+        assert not {"message_idempotent", "idemq_outbox"} & tables
+        with engine.connect() as conn:
+            assert recorded_version(conn, dedup) == SCHEMA_VERSION
+            assert recorded_version(conn, outbox) == OUTBOX_SCHEMA_VERSION
+        guarded = (
+            "import idemq; from idemq.integrations.django import DjangoStore; "
+            "g = idemq.Idempotency(DjangoStore(), consumer='c'); "
+            "print(*(g.process('m-1', lambda tx: 1).status.name for _ in range(2)))"
+        )
+        done = manage(databases, "fresh", "shell", "-c", guarded, **names)
+        last_line = done.stdout.strip().splitlines()[-1]  # after the shell's own notices
+        assert last_line.split() == ["PROCESSED", "DUPLICATE"], done.stdout + done.stderr
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text(f"SELECT message_id FROM {dedup}")).scalars().all()
+        assert rows == ["m-1"]
+    finally:
+        engine.dispose()

@@ -85,6 +85,37 @@ def test_inside_the_callers_atomic_block_it_is_a_savepoint(alias: str, store: Dj
     assert payments(alias, order) == 1
 
 
+def test_without_a_savepoint_a_failure_dooms_the_callers_block(alias: str, stores: list[Any]):
+    """``savepoint=False``: the guard joins the caller's block, so its handler's failure rolls
+    back the caller's own earlier write too; a success commits with the caller's block."""
+    from django.db import connections, transaction  # noqa: PLC0415
+
+    store = DjangoStore(using=alias, savepoint=False)
+    stores.append(store)
+    guard = idemq.Idempotency(store, consumer=unique("c"))
+    before, order = unique("o"), unique("o")
+
+    def failing(tx: Any) -> None:
+        pay(alias, order)
+        raise Boom
+
+    def caller() -> None:
+        with transaction.atomic(using=alias):
+            pay(alias, before)  # the caller's own write, before the guard
+            guard.process("m-1", failing, connection=connections[alias])
+
+    with pytest.raises(Boom):
+        caller()
+    assert payments(alias, before) == payments(alias, order) == 0
+    assert store.get("m-1", guard.policy.consumer) is None
+
+    with transaction.atomic(using=alias):
+        pay(alias, before)
+        guard.process("m-1", lambda tx: pay(alias, order), connection=connections[alias])
+    assert guard.process("m-1", lambda tx: pay(alias, order)).status is idemq.Status.DUPLICATE
+    assert payments(alias, before) == payments(alias, order) == 1
+
+
 def test_a_transaction_marked_for_rollback_is_never_acknowledged(alias: str, store: DjangoStore):
     """A handler that swallows an error inside ``atomic(savepoint=False)`` dooms the whole
     transaction: Django rolls it back at the end, so PROCESSED would be a lie."""
@@ -192,3 +223,28 @@ def test_an_in_memory_sqlite_database_works_in_transactional_mode(
     assert payments("memory", order) == 1
     with pytest.raises(idemq.ConfigurationError, match="SQLite database file"):
         store.stats()
+
+
+@pytest.mark.parametrize("alias", ["pg"], indirect=True)  # a session ends itself on PostgreSQL
+def test_a_connection_dropped_under_a_handler_is_an_outage(alias: str, store: DjangoStore):
+    """The server ends the session mid-transaction (as a restart or a failover would): nothing
+    of the message commits, the guard reports an outage (retry later), not the handler's
+    failure, and the message runs once on Django's next connection."""
+    from django.db import connections  # noqa: PLC0415
+
+    guard = idemq.Idempotency(store, consumer=unique("c"))
+    order = unique("o")
+
+    def dropped(tx: Any) -> None:
+        pay(alias, order)
+        with tx.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+    try:
+        with pytest.raises(idemq.StoreUnavailableError):
+            guard.process("m-1", dropped)
+    finally:
+        connections[alias].close()  # Django reconnects on the next query
+    assert payments(alias, order) == 0
+    assert guard.process("m-1", lambda tx: pay(alias, order)).status is idemq.Status.PROCESSED
+    assert payments(alias, order) == 1

@@ -54,7 +54,9 @@ def create_app() -> Any:
         store = AsyncRedisStore(config["store_url"], prefix=config["redis_prefix"])
         effects: Any = redis.asyncio.Redis.from_url(config["redis_url"])
     else:
-        store = AsyncSqlStore(config["store_url"], table=config["table"])
+        # A pool that does not reset what it gets back (as idemq's own sync engines): the
+        # middleware must end every transaction it began, not count on the pool to.
+        store = AsyncSqlStore(config["store_url"], table=config["table"], pool_reset_on_return=None)
         effects = None
 
     async def wait_for_gate(gate: str) -> None:

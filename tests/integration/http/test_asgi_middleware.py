@@ -98,6 +98,8 @@ def test_a_retry_while_the_first_still_runs(server: Server) -> None:
             assert answers["retry"].headers["idempotent-replayed"] == "true"
         else:
             problem(post(server, key, body), 409, "idempotency-key-in-flight")
+            if server.kind == "postgres":
+                assert not left_in_transaction(server), "the 409's connection went back open"
     finally:
         server.open_gate(gate)
         first.join(60)
@@ -343,6 +345,18 @@ def test_the_apps_own_writes_wait_for_locks_as_usual(tmp_path: Path) -> None:
         sender.join(60)
         assert answers["first"].status_code == 201, answers["first"].text
         assert server.effects(ref) == 1
+
+
+def left_in_transaction(server: Server) -> int:
+    """Connections idle in a transaction whose last statement was the in-flight lock: a retry
+    answered 409 must end the transaction its lock began before its connection is reused."""
+    assert server.engine is not None
+    query = sa.text(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE state = 'idle in transaction'"
+        " AND query LIKE 'SELECT pg_try_advisory_xact_lock(%'"
+    )
+    with server.engine.connect() as conn:
+        return int(conn.execute(query).scalar_one())
 
 
 def wait_for_lock_wait(server: Server, deadline_s: float = 20.0) -> None:

@@ -24,7 +24,26 @@ from idemq.outbox.schema import OUTBOX_SCHEMA_VERSION, tables_for
 from idemq.stores.sql.schema import DEFAULT_TABLE, SCHEMA_VERSION, build_table, collation_for
 from idemq.stores.sql.versions import VERSION_TABLE, build_version_table
 
-__all__ = ["create_tables", "dialect_of", "drop_tables", "idemq_tables"]
+__all__ = ["configured_tables", "create_tables", "dialect_of", "drop_tables", "idemq_tables"]
+
+
+def configured_tables() -> tuple[str, str]:
+    """The dedup and outbox table names of the project: the settings ``IDEMQ_TABLE`` and
+    ``IDEMQ_OUTBOX_TABLE`` (its dead letters are ``<name>_dead``), else idemq's own defaults.
+
+    Read when the migration runs and when a :class:`DjangoStore` is made without ``table=``,
+    so the two meet on one table. Set them before the first ``migrate``: a later change makes
+    no table of the new name and renames none."""
+    from django.conf import settings  # noqa: PLC0415 -- needs configured settings
+
+    names = (
+        getattr(settings, "IDEMQ_TABLE", DEFAULT_TABLE),
+        getattr(settings, "IDEMQ_OUTBOX_TABLE", DEFAULT_OUTBOX_TABLE),
+    )
+    for setting, name in zip(("IDEMQ_TABLE", "IDEMQ_OUTBOX_TABLE"), names, strict=True):
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"{setting} must be a non-empty table name, got {name!r}")
+    return names
 
 
 def dialect_of(connection: Any) -> sa.Dialect:
@@ -47,11 +66,11 @@ def dialect_of(connection: Any) -> sa.Dialect:
 
 
 def idemq_tables(dialect: sa.Dialect) -> list[tuple[sa.Table, str, int]]:
-    """``(table, kind, version)`` of every table the app makes, in creation order."""
-    dedup = build_table(DEFAULT_TABLE, mysql_collation=collation_for(dialect))
-    outbox = [
-        (t, "outbox", OUTBOX_SCHEMA_VERSION) for t in tables_for(dialect, DEFAULT_OUTBOX_TABLE)
-    ]
+    """``(table, kind, version)`` of every table the app makes, in creation order, under the
+    names of :func:`configured_tables`."""
+    dedup_name, outbox_name = configured_tables()
+    dedup = build_table(dedup_name, mysql_collation=collation_for(dialect))
+    outbox = [(t, "outbox", OUTBOX_SCHEMA_VERSION) for t in tables_for(dialect, outbox_name)]
     return [(dedup, "dedup", SCHEMA_VERSION), *outbox]
 
 

@@ -26,9 +26,9 @@ from sqlalchemy.sql.compiler import Compiled
 
 from idemq._plan import drive
 from idemq.drivers.sql import DriverStatement, Plan, Reply, Step, translate_db_error
-from idemq.outbox.outbox import IdTakenError, id_taken
+from idemq.errors import StoreError
 
-__all__ = ["CursorRunner", "driver_error", "wrap_driver_error"]
+__all__ = ["CursorRunner", "driver_error", "translate_driver_error", "wrap_driver_error"]
 
 T = TypeVar("T")
 
@@ -58,6 +58,13 @@ def wrap_driver_error(error: BaseException, dbapi: Any) -> DBAPIError | None:
     return wrapped if isinstance(wrapped, DBAPIError) else None
 
 
+def translate_driver_error(error: BaseException, dbapi: Any, doing: str) -> StoreError | None:
+    """The idemq error ``error`` (a driver's, or Django's wrapping of one) stands for, made by
+    :func:`idemq.drivers.sql.translate_db_error`; None when it is no database error."""
+    wrapped = wrap_driver_error(error, dbapi)
+    return None if wrapped is None else translate_db_error(wrapped, doing)
+
+
 class CursorRunner:
     """Runs plans on DB-API cursors of one database, compiled with ``dialect``."""
 
@@ -82,31 +89,21 @@ class CursorRunner:
         """Carry out ``plan`` on ``raw_connection`` (a DB-API connection) inside whatever
         transaction it has open; a database failure is raised into the plan as an idemq error
         naming ``doing``."""
-
-        def execute(step: Step) -> Reply:
-            try:
-                return self.execute(raw_connection, step)
-            except self.dbapi.Error as error:
-                wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
-                raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
-
-        return drive(plan, execute)
+        return drive(plan, lambda step: self._execute_translated(raw_connection, step, doing))
 
     def run_steps(self, raw_connection: Any, plan: Any, doing: str) -> Any:
-        """:meth:`run` for the outbox's add plan: a duplicate key on MariaDB/MySQL is thrown
-        into the plan as the outbox's :class:`IdTakenError`, as :meth:`idemq.Outbox.add` does
-        (an id a racing or earlier add already holds)."""
+        """:meth:`run` for the outbox's add plan (its own plan type: it yields the same
+        :class:`Step`\\ s and reads each reply's ``rows`` and ``rowcount``)."""
+        return drive(plan, lambda step: self._execute_translated(raw_connection, step, doing))
 
-        def execute(step: Step) -> Reply:
-            try:
-                return self.execute(raw_connection, step)
-            except self.dbapi.Error as error:
-                wrapped = DBAPIError.instance(None, None, error, self.dbapi.Error)
-                if id_taken(wrapped):
-                    raise IdTakenError(str(error)) from error
-                raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
-
-        return drive(plan, execute)
+    def _execute_translated(self, raw_connection: Any, step: Step, doing: str) -> Reply:
+        try:
+            return self.execute(raw_connection, step)
+        except self.dbapi.Error as error:
+            translated = translate_driver_error(error, self.dbapi, f"{doing} on {self.where}")
+            if translated is None:
+                raise
+            raise translated from error
 
     def execute(self, raw_connection: Any, step: Step) -> Reply:
         """One statement: compiled, expanded, its values converted; every row read back

@@ -36,7 +36,6 @@ from idemq.errors import (
 from idemq.guard.core import Status
 from idemq.guard.idempotency import Idempotency
 from idemq.integrations.django.store import DjangoStore
-from idemq.stores.sql.schema import DEFAULT_TABLE
 
 __all__ = ["idempotent"]
 
@@ -50,7 +49,7 @@ def idempotent(
     key: Key = None,
     *,
     using: str = "default",
-    table: str = DEFAULT_TABLE,
+    table: str | None = None,
     check_payload: bool = True,
     in_progress_countdown_s: float = 5.0,
     **guard_options: Any,

@@ -25,6 +25,7 @@ they share the dedup transaction's connection.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,6 +45,7 @@ from idemq.errors import (
 )
 from idemq.guard.core import Mode, Outcome, Status
 from idemq.guard.idempotency import Idempotency
+from idemq.integrations._inflight import lock_pauses, try_lock_sql
 from idemq.integrations.django.store import DjangoStore
 from idemq.integrations.http import (
     DEFAULT_METHODS,
@@ -58,7 +60,6 @@ from idemq.integrations.http import (
 )
 from idemq.integrations.http import stored_statuses as _stored_statuses
 from idemq.stores.base import Store, TransactionalStore
-from idemq.stores.sql.schema import DEFAULT_TABLE
 
 __all__ = ["IdempotencyKeyMiddleware"]
 
@@ -122,8 +123,10 @@ class IdempotencyKeyMiddleware:
     def _configure(self, config: dict[str, Any]) -> None:
         store = _loaded(config.get("store"))
         if store is None:
+            # The guard's atomic() joins the middleware's rather than nesting a savepoint:
+            # any failure rolls the whole request back (what is not stored did not happen).
             store = DjangoStore(
-                using=config.get("using", "default"), table=config.get("table", DEFAULT_TABLE)
+                using=config.get("using", "default"), table=config.get("table"), savepoint=False
             )
         if not isinstance(store, Store):
             raise ConfigurationError(f"IDEMQ_HTTP store must be a store, got {store!r}")
@@ -158,7 +161,7 @@ class IdempotencyKeyMiddleware:
         self.scope_fn = _loaded(config.get("scope"))
         self.key_fn = _loaded(config.get("key"))
         self.owns_transaction = self.guard.mode is Mode.TRANSACTIONAL and wait_s is not None
-        self.lock_wait_ms = round((wait_s or 0) * 1000)
+        self.wait_s = float(wait_s or 0)
         self.stored_statuses = _stored_statuses(config.get("stored_statuses"))
         self.max_key_chars = max_key_chars
         self.problem_type_base = config.get("problem_type_base")
@@ -275,8 +278,6 @@ class IdempotencyKeyMiddleware:
         responses: list[HttpResponseBase] = []
 
         def handler(tx: Any) -> dict[str, Any]:
-            if self.owns_transaction:
-                _lock_wait(tx, None)  # the view's own writes wait as they always would
             response = view(request)
             responses.append(response)
             return self._judge(response)
@@ -287,10 +288,12 @@ class IdempotencyKeyMiddleware:
                 store = self.store
                 assert isinstance(store, TransactionalStore)
                 with store.transaction() as conn:
-                    _lock_wait(conn, self.lock_wait_ms)
-                    outcome = self.guard.process(
-                        message_id, handler, payload=fingerprint, connection=conn
-                    )
+                    if _lock_in_flight(conn, self.guard.consumer, message_id, self.wait_s):
+                        outcome = self.guard.process(
+                            message_id, handler, payload=fingerprint, connection=conn
+                        )
+                    else:
+                        outcome = Outcome(Status.IN_PROGRESS, message_id)
             else:
                 outcome = self.guard.process(message_id, handler, payload=fingerprint)
         except _NotStored as not_stored:
@@ -298,8 +301,9 @@ class IdempotencyKeyMiddleware:
         except PayloadMismatchError:
             return self._problem(Problem.reused())
         except (StoreConflictError, LeaseLostError):
-            # Transactional: the first request's row lock outlasted wait_s (or a deadlock
-            # rolled this one back): nothing was written, a retry is safe.
+            # Transactional: a deadlock rolled this one back, or (a database without the
+            # in-flight lock) the first request's row lock outlasted the server's lock
+            # timeout: nothing was written, a retry is safe.
             return self._problem(Problem.in_flight())
         except StoreError:
             log.warning("idempotency store failed for %s", message_id, exc_info=True)
@@ -367,19 +371,29 @@ def _replay(stored: StoredResponse) -> HttpResponse:
     return response
 
 
-def _lock_wait(conn: Any, wait_ms: int | None) -> None:
-    """PostgreSQL: how long the claim waits for a running first request's row lock before
-    this request is answered 409 (``wait_ms``), or back to the server's setting (None) once
-    the claim is made. Other databases wait as their own lock timeout says."""
+def _lock_in_flight(conn: Any, consumer: str, message_id: str, wait_s: float) -> bool:
+    """PostgreSQL: take the key's in-flight lock in ``conn``'s transaction, trying again for up
+    to ``wait_s`` (:mod:`idemq.integrations._inflight`); False when it stayed taken. Other
+    databases: True, and the claim waits on the first request's row as their lock timeout says.
+    """
     vendor = getattr(conn, "vendor", None)  # Django's connection (a DjangoStore's tx)
-    if vendor is None:  # an SQLAlchemy Connection: IDEMQ_HTTP named a SqlStore
-        if conn.dialect.name == "postgresql":
-            setting = "DEFAULT" if wait_ms is None else f"'{max(wait_ms, 1)}ms'"
-            with translated("SET LOCAL lock_timeout"):
-                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {setting}")
-        return
-    if vendor != "postgresql":
-        return
-    setting = "DEFAULT" if wait_ms is None else f"'{max(wait_ms, 1)}ms'"
+    if (conn.dialect.name if vendor is None else vendor) != "postgresql":
+        return True
+    statement = try_lock_sql(consumer, message_id)
+    pauses = lock_pauses(wait_s)
+    while not _try_lock(conn, statement, on_django=vendor is not None):
+        pause_s = next(pauses, None)
+        if pause_s is None:
+            return False
+        time.sleep(pause_s)
+    return True
+
+
+def _try_lock(conn: Any, statement: str, *, on_django: bool) -> bool:
+    if not on_django:  # an SQLAlchemy Connection: IDEMQ_HTTP named a SqlStore
+        with translated("in-flight lock"):
+            return bool(conn.exec_driver_sql(statement).scalar_one())
     with conn.cursor() as cursor:
-        cursor.execute(f"SET LOCAL lock_timeout = {setting}")
+        cursor.execute(statement)
+        row = cursor.fetchone()
+    return bool(row is not None and row[0])

@@ -17,40 +17,33 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import sqlalchemy as sa
 
-from idemq.drivers.sql import (
-    Plan,
-    driver_reports_aborts,
-    transaction_aborted,
-    translate_db_error,
-    translated,
-)
+from idemq.drivers.sql import Plan, driver_reports_aborts, transaction_aborted, translated
 from idemq.errors import ConfigurationError, StoreError, TransactionLostError
-from idemq.integrations.django._sql import CursorRunner, wrap_driver_error
+from idemq.integrations.django._schema import configured_tables
+from idemq.integrations.django._sql import (
+    CursorRunner,
+    translate_driver_error,
+    wrap_driver_error,
+)
 from idemq.integrations.django._urls import database_url
 from idemq.stores.base import (
-    DEFAULT_CONSUMER,
     Claim,
     ClaimRequest,
-    ForgetResult,
     Key,
-    Record,
-    StoreStats,
 )
 from idemq.stores.sql.plans import SqlPlans
-from idemq.stores.sql.schema import DEFAULT_TABLE
-from idemq.stores.sql.store import SqlStore, SqlStoreBase
+from idemq.stores.sql.store import Primitive, SqlStore, SqlStoreAdmin
 
 __all__ = ["DjangoStore"]
 
 T = TypeVar("T")
 
 
-class DjangoStore(SqlStoreBase):
+class DjangoStore(SqlStoreAdmin):
     """The dedup table on the Django database ``using`` (an alias of ``DATABASES``).
 
     ``Idempotency(DjangoStore(), consumer=…)`` runs each handler inside
@@ -62,24 +55,31 @@ class DjangoStore(SqlStoreBase):
     done before your COMMIT).
 
     The table is made by the app's migrations (``idemq.integrations.django`` in
-    ``INSTALLED_APPS``, then ``manage.py migrate``). ``lease_clock`` and ``expires_after_s`` as
-    for :class:`~idemq.SqlStore`; ``engine_kwargs`` go to the engine of idemq's own connection
-    (lease mode, the operator's commands).
+    ``INSTALLED_APPS``, then ``manage.py migrate``); ``table=None`` is the one they make (the
+    setting ``IDEMQ_TABLE``, else ``message_idempotent``). ``lease_clock`` and
+    ``expires_after_s`` as for :class:`~idemq.SqlStore`; ``engine_kwargs`` go to the engine of
+    idemq's own connection (lease mode, the operator's commands). ``savepoint=False``: inside
+    an open ``atomic()`` block the guard's transaction joins it instead of nesting a savepoint
+    (``atomic(savepoint=False)``), so a handler's failure dooms the whole block; for a caller
+    that rolls all of it back on any failure (the HTTP middleware), two round trips fewer.
     """
 
     def __init__(
         self,
         using: str = "default",
-        table: str = DEFAULT_TABLE,
+        table: str | None = None,
         *,
         lease_clock: str | None = None,
         expires_after_s: float | None = None,
+        savepoint: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         from django.db import connections  # noqa: PLC0415 -- needs configured settings
 
         if using not in connections.settings:
             raise ConfigurationError(f"no database {using!r} in Django's DATABASES")
+        if table is None:
+            table = configured_tables()[0]
         self.using = using
         self._wrapper = connections[using]
         url = database_url(
@@ -95,6 +95,7 @@ class DjangoStore(SqlStoreBase):
         )
         self.where = f"Django database {using!r} table {table}"
         self._table_name = table
+        self.savepoint = savepoint
         self._engine_kwargs = engine_kwargs
         self._expires_after_s = expires_after_s
         self._own: SqlStore | None = None
@@ -118,6 +119,11 @@ class DjangoStore(SqlStoreBase):
                     **self._engine_kwargs,
                 )
             return self._own
+
+    def _own_transaction(self, doing: str, primitive: Primitive[T]) -> T:
+        """On idemq's own connection: :meth:`own_store`'s short transaction (the operator's
+        tools of :class:`~idemq.stores.sql.store.SqlStoreAdmin` run here)."""
+        return self.own_store()._own_transaction(doing, primitive)
 
     def _cursor_runner(self) -> CursorRunner:
         if self._runner is None:
@@ -165,9 +171,9 @@ class DjangoStore(SqlStoreBase):
     def transaction(self, connection: Any = None) -> Iterator[Any]:
         """``transaction.atomic(using=…)`` on Django's connection; yields that connection.
 
-        A savepoint inside an open ``atomic()`` block, a transaction that commits here
-        otherwise. A failure to begin, commit or roll back is raised as an idemq error; what
-        the block raises goes on as it is.
+        A savepoint inside an open ``atomic()`` block (with ``savepoint=False``: that block
+        itself), a transaction that commits here otherwise. A failure to begin, commit or roll
+        back is raised as an idemq error; what the block raises goes on as it is.
         """
         from django.db import connections, transaction  # noqa: PLC0415
 
@@ -175,7 +181,7 @@ class DjangoStore(SqlStoreBase):
         self._cursor_runner()  # before the transaction: it may connect on its own
         raised: BaseException | None = None
         try:
-            with transaction.atomic(using=using):
+            with transaction.atomic(using=using, savepoint=self.savepoint):
                 try:
                     yield connections[using]
                 except BaseException as body_error:
@@ -184,10 +190,7 @@ class DjangoStore(SqlStoreBase):
         except Exception as error:
             if error is raised:
                 raise
-            wrapped = wrap_driver_error(error, self._cursor_runner().dbapi)
-            if wrapped is None:
-                raise
-            raise translate_db_error(wrapped, f"commit on {self.where}") from error
+            self._raise_translated(error, "commit")
 
     def _raw(self, tx: Any) -> Any:
         """The DB-API connection under Django's connection ``tx``."""
@@ -227,10 +230,16 @@ class DjangoStore(SqlStoreBase):
         try:
             yield
         except Exception as error:
-            wrapped = wrap_driver_error(error, self._cursor_runner().dbapi)
-            if wrapped is None:
-                raise
-            raise translate_db_error(wrapped, f"{doing} on {self.where}") from error
+            self._raise_translated(error, doing)
+
+    def _raise_translated(self, error: Exception, doing: str) -> NoReturn:
+        """Raise ``error`` as the idemq error it stands for, or as it is if it is none."""
+        store_error = translate_driver_error(
+            error, self._cursor_runner().dbapi, f"{doing} on {self.where}"
+        )
+        if store_error is None:
+            raise error
+        raise store_error from error
 
     def translate_handler_error(self, tx: Any, error: BaseException) -> StoreError | None:
         """The store error a handler's failed ORM statement stands for when the transaction
@@ -266,7 +275,7 @@ class DjangoStore(SqlStoreBase):
     def confirm_in(
         self, tx: Any, key: Key, owner: str, result: str, *, deferred: bool = False
     ) -> None:
-        """See :meth:`idemq.stores.base.TransactionalStore.confirm_in`; also refuses a
+        """See :meth:`idemq.stores.base.TransactionalGuardStore.confirm_in`; also refuses a
         transaction Django has marked for rollback."""
         self._check_not_doomed(tx, f"{key.message_id!r} ({key.consumer})")
         primitive = self._confirm_plan(
@@ -276,7 +285,7 @@ class DjangoStore(SqlStoreBase):
             self._in_transaction(tx, "confirm", primitive)
 
     def confirm_many_in(self, tx: Any, requests: Sequence[ClaimRequest]) -> None:
-        """See :meth:`idemq.stores.base.TransactionalStore.confirm_many_in`."""
+        """See :meth:`idemq.stores.base.TransactionalGuardStore.confirm_many_in`."""
         if not requests:
             return
         self._check_not_doomed(tx, f"a batch of {len(requests)}")
@@ -338,45 +347,8 @@ class DjangoStore(SqlStoreBase):
         self.own_store().release(key, owner)
 
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
-        """See :meth:`idemq.stores.base.Store.renew`."""
+        """See :meth:`idemq.stores.base.GuardStore.renew`."""
         return self.own_store().renew(key, owner, lease_until_ms, now_ms)
-
-    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
-        """The record of ``message_id`` for ``consumer``, or None."""
-        return self.own_store().get(message_id, consumer)
-
-    def find(self, message_id: str) -> list[Record]:
-        """Every consumer's record of ``message_id``."""
-        return self.own_store().find(message_id)
-
-    def in_progress(self, *, limit: int = 100) -> list[Record]:
-        """PROCESSING records, oldest first."""
-        return self.own_store().in_progress(limit=limit)
-
-    def purge(
-        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
-    ) -> int:
-        """Delete PROCESSED records older than ``older_than`` in bounded batches."""
-        return self.own_store().purge(older_than, batch_size=batch_size, now_ms=now_ms)
-
-    def stats(self, *, now_ms: int | None = None) -> StoreStats:
-        """See :meth:`idemq.stores.base.Store.stats`."""
-        return self.own_store().stats(now_ms=now_ms)
-
-    def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
-        """See :meth:`idemq.stores.base.Store.force_release`."""
-        return self.own_store().force_release(message_id, consumer)
-
-    def forget(
-        self,
-        message_id: str,
-        consumer: str = DEFAULT_CONSUMER,
-        *,
-        force: bool = False,
-        now_ms: int | None = None,
-    ) -> ForgetResult:
-        """See :meth:`idemq.stores.base.Store.forget`."""
-        return self.own_store().forget(message_id, consumer, force=force, now_ms=now_ms)
 
     def close(self) -> None:
         """Close idemq's own connections (Django's stay Django's)."""

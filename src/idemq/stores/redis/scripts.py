@@ -70,9 +70,12 @@ _CLAIM_FUNCTION = (
     _RECORD_FUNCTIONS
     + """
 local function claim(key, owner, now_ms, lease_ms, gc_ms, business_id, payload_hash)
+  local cur = redis.call('GET', key)
+  -- PROCESSED (or not a record): the answer is the record as it is, whatever the time, so a
+  -- duplicate reads no clock.
+  if cur and string.sub(cur, 1, 2) ~= '0\\0' then return cur end
   now_ms = now_or_server(now_ms)
   local until_ms = plus(now_ms, lease_ms)
-  local cur = redis.call('GET', key)
   if not cur then
     -- GC only (PX): a crashed worker's record must outlive its lease (so a redelivery can see
     -- and take it over) and then disappear; the lease itself is judged on now_ms.
@@ -83,7 +86,6 @@ local function claim(key, owner, now_ms, lease_ms, gc_ms, business_id, payload_h
       'PX', gc_ms)
     return {1, fence_us()}
   end
-  if string.sub(cur, 1, 2) ~= '0\\0' then return cur end  -- PROCESSED (or not a record)
   local v = split(cur)
   -- Our own claim, replayed by a client retry after a lost reply: still ours.
   if v[OWNER] == owner then return {1, fence_us()} end

@@ -229,7 +229,7 @@ class RedisStore(_RedisStoreBase):
         force: bool = False,
         now_ms: int | None = None,
     ) -> ForgetResult:
-        """See :meth:`idemq.stores.base.Store.forget` (one Lua call)."""
+        """See :meth:`idemq.stores.base.GuardStore.forget` (one Lua call)."""
         key = Key(consumer, message_id)
         op = ops.forget(self._layout, key, force=force, now_ms=self._judged_at(now_ms))
         return drive(op, self._execute)

@@ -22,6 +22,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from idemq._backoff import Backoff
 from idemq._clock import system_clock_ms
 from idemq.drivers.sql import (
     Plan,
@@ -68,6 +69,7 @@ __all__ = [
     "DEFAULT_URL",
     "OWN_TRANSACTION_ATTEMPTS",
     "SqlStore",
+    "SqlStoreAdmin",
     "SqlStoreBase",
     "schema_sql",
 ]
@@ -84,6 +86,9 @@ OWN_TRANSACTION_ATTEMPTS = 6
 CONFLICT_PAUSE_S = 0.01
 """The first window of the random pause before a store's own transaction runs again after a
 conflict; it doubles at each further conflict (see :meth:`SqlStoreBase.conflict_pause_s`)."""
+
+# Full jitter: racers that deadlocked one another must not run again in lock-step.
+_CONFLICT_BACKOFF = Backoff(CONFLICT_PAUSE_S, 1.0, jitter=1.0)
 
 #: A primitive, given the store's plans: ``lambda plans: plans.get(key)``.
 Primitive = Callable[[SqlPlans], Plan[T]]
@@ -195,7 +200,7 @@ class SqlStoreBase:
         takeover or the expired record's delete) would otherwise run again in lock-step and
         meet in the same deadlock, until one ran out of attempts.
         """
-        return self._jitter.uniform(0, CONFLICT_PAUSE_S * 2 ** (conflicts - 1))
+        return _CONFLICT_BACKOFF.delay_s(conflicts, self._jitter.random)
 
     def _confirm_plan(
         self, driver_connection: Any, key: Key, owner: str, result: str, *, deferred: bool
@@ -241,7 +246,72 @@ class SqlStoreBase:
         return now - int(older_than.total_seconds() * 1000)
 
 
-class SqlStore(SqlStoreBase):
+class SqlStoreAdmin(SqlStoreBase):
+    """The operator's tools (:class:`~idemq.stores.base.StoreAdmin`) and ``forget`` of a sync
+    SQL store, each in a short transaction of the store's own: written once for
+    :class:`SqlStore` and :class:`~idemq.integrations.django.DjangoStore` (which runs them on
+    idemq's own connection to Django's database)."""
+
+    def _own_transaction(self, doing: str, primitive: Primitive[T]) -> T:
+        """Run ``primitive`` in a short transaction of the store's own (each store says on
+        which connection)."""
+        raise NotImplementedError
+
+    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
+        """The record of ``message_id`` for ``consumer``, or None."""
+        key = Key(consumer, message_id)
+        return self._own_transaction("get", lambda plans: plans.get(key))
+
+    def find(self, message_id: str) -> list[Record]:
+        """Every consumer's record of ``message_id``."""
+        return self._own_transaction("find", lambda plans: plans.find(message_id))
+
+    def in_progress(self, *, limit: int = 100) -> list[Record]:
+        """PROCESSING records, oldest first."""
+        return self._own_transaction("in_progress", lambda plans: plans.in_progress(limit))
+
+    def purge(
+        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
+    ) -> int:
+        """Delete PROCESSED rows older than ``older_than``, ``batch_size`` per transaction, so
+        no long lock is held; returns how many were deleted."""
+        cutoff_ms = self._cutoff_ms(older_than, now_ms)
+        total = 0
+        while True:
+            deleted = self._own_transaction(
+                "purge", lambda plans: plans.purge_batch(cutoff_ms, batch_size)
+            )
+            total += deleted
+            if deleted < batch_size:
+                return total
+
+    def stats(self, *, now_ms: int | None = None) -> StoreStats:
+        """See :meth:`idemq.stores.base.StoreAdmin.stats` (one table scan plus a size lookup)."""
+        now = system_clock_ms() if now_ms is None else now_ms
+        return self._own_transaction("stats", lambda plans: plans.stats(now))
+
+    def forget(
+        self,
+        message_id: str,
+        consumer: str = DEFAULT_CONSUMER,
+        *,
+        force: bool = False,
+        now_ms: int | None = None,
+    ) -> ForgetResult:
+        """See :meth:`idemq.stores.base.GuardStore.forget`."""
+        key = Key(consumer, message_id)
+        now = system_clock_ms() if now_ms is None else now_ms
+        return self._own_transaction(
+            "forget", lambda plans: plans.forget(key, force=force, now_ms=now)
+        )
+
+    def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
+        """See :meth:`idemq.stores.base.StoreAdmin.force_release`."""
+        key = Key(consumer, message_id)
+        return self._own_transaction("force_release", lambda plans: plans.force_release(key))
+
+
+class SqlStore(SqlStoreAdmin):
     """The dedup table in a SQL database, for ``Idempotency`` in transactional or lease mode.
 
     ``url``: an SQLAlchemy URL (``sqlite:///idemq.db``, ``postgresql+psycopg://…``,
@@ -384,7 +454,7 @@ class SqlStore(SqlStoreBase):
     def confirm_in(
         self, tx: Connection, key: Key, owner: str, result: str, *, deferred: bool = False
     ) -> None:
-        """See :meth:`idemq.stores.base.TransactionalStore.confirm_in`."""
+        """See :meth:`idemq.stores.base.TransactionalGuardStore.confirm_in`."""
         primitive = self._confirm_plan(
             self._driver_connection(tx), key, owner, result, deferred=deferred
         )
@@ -392,7 +462,7 @@ class SqlStore(SqlStoreBase):
             self._in_transaction(tx, "confirm", primitive)
 
     def confirm_many_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> None:
-        """See :meth:`idemq.stores.base.TransactionalStore.confirm_many_in`."""
+        """See :meth:`idemq.stores.base.TransactionalGuardStore.confirm_many_in`."""
         if requests and self._must_read_rows(self._driver_connection(tx), requests):
             keys = [r.key for r in requests]
             owners = [r.owner for r in requests]
@@ -427,66 +497,11 @@ class SqlStore(SqlStoreBase):
         """Delete the PROCESSING record if ``owner`` still holds it."""
         self._own_transaction("release", lambda plans: plans.release(key, owner))
 
-    # -- inspection and retention ------------------------------------------------------------
-
-    def get(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> Record | None:
-        """The record of ``message_id`` for ``consumer``, or None."""
-        key = Key(consumer, message_id)
-        return self._own_transaction("get", lambda plans: plans.get(key))
-
-    def find(self, message_id: str) -> list[Record]:
-        """Every consumer's record of ``message_id``."""
-        return self._own_transaction("find", lambda plans: plans.find(message_id))
-
-    def in_progress(self, *, limit: int = 100) -> list[Record]:
-        """PROCESSING records, oldest first."""
-        return self._own_transaction("in_progress", lambda plans: plans.in_progress(limit))
-
-    def purge(
-        self, older_than: timedelta, *, batch_size: int = 1000, now_ms: int | None = None
-    ) -> int:
-        """Delete PROCESSED rows older than ``older_than``, ``batch_size`` per transaction, so
-        no long lock is held; returns how many were deleted."""
-        cutoff_ms = self._cutoff_ms(older_than, now_ms)
-        total = 0
-        while True:
-            deleted = self._own_transaction(
-                "purge", lambda plans: plans.purge_batch(cutoff_ms, batch_size)
-            )
-            total += deleted
-            if deleted < batch_size:
-                return total
-
-    def stats(self, *, now_ms: int | None = None) -> StoreStats:
-        """See :meth:`idemq.stores.base.Store.stats` (one table scan plus a size lookup)."""
-        now = system_clock_ms() if now_ms is None else now_ms
-        return self._own_transaction("stats", lambda plans: plans.stats(now))
-
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
-        """See :meth:`idemq.stores.base.Store.renew`."""
+        """See :meth:`idemq.stores.base.GuardStore.renew`."""
         return self._own_transaction(
             "renew", lambda plans: plans.renew(key, owner, lease_until_ms, now_ms)
         )
-
-    def forget(
-        self,
-        message_id: str,
-        consumer: str = DEFAULT_CONSUMER,
-        *,
-        force: bool = False,
-        now_ms: int | None = None,
-    ) -> ForgetResult:
-        """See :meth:`idemq.stores.base.Store.forget`."""
-        key = Key(consumer, message_id)
-        now = system_clock_ms() if now_ms is None else now_ms
-        return self._own_transaction(
-            "forget", lambda plans: plans.forget(key, force=force, now_ms=now)
-        )
-
-    def force_release(self, message_id: str, consumer: str = DEFAULT_CONSUMER) -> bool:
-        """See :meth:`idemq.stores.base.Store.force_release`."""
-        key = Key(consumer, message_id)
-        return self._own_transaction("force_release", lambda plans: plans.force_release(key))
 
     def close(self) -> None:
         """Close every pooled connection (the engine is disposed)."""

@@ -236,7 +236,7 @@ class AsyncSqlStore(SqlStoreBase):
         return await self._own_transaction("stats", lambda plans: plans.stats(now))
 
     async def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
-        """See :meth:`idemq.stores.base.Store.renew`."""
+        """See :meth:`idemq.stores.base.GuardStore.renew`."""
         return await self._own_transaction(
             "renew", lambda plans: plans.renew(key, owner, lease_until_ms, now_ms)
         )
@@ -249,7 +249,7 @@ class AsyncSqlStore(SqlStoreBase):
         force: bool = False,
         now_ms: int | None = None,
     ) -> ForgetResult:
-        """See :meth:`idemq.stores.base.Store.forget`."""
+        """See :meth:`idemq.stores.base.GuardStore.forget`."""
         key = Key(consumer, message_id)
         now = system_clock_ms() if now_ms is None else now_ms
         return await self._own_transaction(

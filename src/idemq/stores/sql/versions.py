@@ -49,11 +49,11 @@ from sqlalchemy import (
     Table,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.schema import CreateTable
 
 from idemq._clock import system_clock_ms
-from idemq.errors import ConfigurationError, StoreConflictError
+from idemq.drivers.sql import translated
+from idemq.errors import ConfigurationError, StoreConflictError, StoreError
 from idemq.stores.sql.schema import SINCE
 
 __all__ = [
@@ -126,8 +126,9 @@ def _ensure_version_table(conn: Connection, schema: str | None) -> Table:
     # unique index even with IF NOT EXISTS; the loser finds the winner's table.
     savepoint = conn.begin_nested()
     try:
-        conn.execute(CreateTable(versions, if_not_exists=True))
-    except DBAPIError:
+        with translated(f"create table {VERSION_TABLE}"):
+            conn.execute(CreateTable(versions, if_not_exists=True))
+    except StoreError:
         savepoint.rollback()
         if not sa.inspect(conn).has_table(VERSION_TABLE, schema=schema):
             raise

@@ -31,3 +31,8 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 IDEMQ_HTTP = json.loads(os.environ.get("IDEMQ_DJ_HTTP", "{}"))
 CELERY_BROKER_URL = os.environ.get("IDEMQ_DJ_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
 LOGGING_CONFIG = None
+# The tests of the migrations' table names set these; unset, idemq's defaults are made.
+if "IDEMQ_DJ_TABLE" in os.environ:
+    IDEMQ_TABLE = os.environ["IDEMQ_DJ_TABLE"]
+if "IDEMQ_DJ_OUTBOX_TABLE" in os.environ:
+    IDEMQ_OUTBOX_TABLE = os.environ["IDEMQ_DJ_OUTBOX_TABLE"]

@@ -1,4 +1,4 @@
-"""The worker's outage retries, on a fake clock: backoff doubles up to its cap, the last wait
+"""The outage policy's retries, on a fake clock: backoff doubles up to its cap, the last wait
 ends on the deadline, giving up raises BrokerUnavailableError from the last error."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from idemq.errors import BrokerUnavailableError
-from idemq.worker.outage import Outage
+from idemq._backoff import Backoff
+from idemq._outage import Outage
+from idemq.errors import BrokerUnavailableError, StoreUnavailableError
 
 
 class FakeStop(threading.Event):
@@ -29,7 +30,7 @@ class FakeStop(threading.Event):
 def test_backoff_doubles_to_its_cap_then_gives_up_on_the_deadline(caplog):
     now = [100.0]
     stop = FakeStop(now)
-    outage = Outage(20.0, stop, first_wait_s=0.5, max_wait_s=4.0, clock=lambda: now[0])
+    outage = Outage(20.0, stop, backoff=Backoff(0.5, 4.0), clock=lambda: now[0])
     down = BrokerUnavailableError("connection refused")
     for _ in range(8):  # 0 s … 19.5 s: each waits
         outage.failed(down, "connecting to amqp://x/")
@@ -38,7 +39,7 @@ def test_backoff_doubles_to_its_cap_then_gives_up_on_the_deadline(caplog):
     assert stop.waits == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0, 0.5]  # the last one ends at 20 s
     assert raised.value.__cause__ is down
     assert "gave up after 9 attempts in 20.0s: connection refused" in str(raised.value)
-    lines = [r.getMessage() for r in caplog.records if r.name == "idemq.worker"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "idemq.outage"]
     assert len(lines) == 8  # one per attempt retried
     assert lines[0] == (
         "connecting to amqp://x/ failed (attempt 1), retrying in 0.5s: "
@@ -50,7 +51,7 @@ def test_backoff_doubles_to_its_cap_then_gives_up_on_the_deadline(caplog):
 def test_an_answer_starts_the_next_outage_afresh_and_none_never_gives_up():
     now = [0.0]
     stop = FakeStop(now)
-    outage = Outage(None, stop, first_wait_s=1.0, max_wait_s=30.0, clock=lambda: now[0])
+    outage = Outage(None, stop, backoff=Backoff(1.0, 30.0), clock=lambda: now[0])
     for _ in range(50):  # hours of outage: never raised
         outage.failed(BrokerUnavailableError("down"), "consuming q")
     assert stop.waits[-1] == 30.0
@@ -69,3 +70,14 @@ def test_the_budget_runs_from_the_first_attempt_not_from_its_failure():
     now[0] = 3.0  # the attempt used it all, then failed
     with pytest.raises(BrokerUnavailableError, match=r"gave up after 1 attempt in 3\.0s"):
         outage.failed(BrokerUnavailableError("connect timed out"), "connecting")
+
+
+def test_a_store_outage_gives_up_as_the_store_being_unavailable():
+    # The relay waits out its database with the same policy: giving up names the store.
+    now = [0.0]
+    outage = Outage(0.5, FakeStop(now), clock=lambda: now[0])
+    down = StoreUnavailableError("connection refused")
+    outage.failed(down, "relaying t")
+    with pytest.raises(StoreUnavailableError, match="relaying t: gave up after 2") as raised:
+        outage.failed(down, "relaying t")
+    assert raised.value.__cause__ is down

@@ -1,6 +1,11 @@
-"""How ``idemq worker`` waits out a broker outage: bounded exponential backoff, one log line per
-attempt (no traceback: an unreachable broker is expected, not a bug), and a time after which it
-gives up so that a supervisor (systemd, Kubernetes) sees the exit and can act.
+"""How an idemq process waits out an outage of its broker or its store: the one policy that
+``idemq worker`` (its consumer and its ``--relay`` thread alike) and ``idemq relay`` follow.
+
+Bounded exponential backoff (:class:`~idemq._backoff.Backoff`), one log line per attempt (no
+traceback: an unreachable broker is expected, not a bug), and a time after which it gives up so
+that a supervisor (systemd, Kubernetes) sees the exit and can act. One policy per process: a
+worker that gave up while its relay thread kept retrying (or the reverse) would leave the
+supervisor a process that is half alive.
 
 A configuration error (a refused login, an unknown vhost) is not an outage: it is raised as
 :class:`~idemq.ConfigurationError` by the adapter and never retried here.
@@ -13,34 +18,39 @@ import threading
 import time
 from collections.abc import Callable
 
-from idemq.errors import BrokerError, BrokerUnavailableError
+from idemq._backoff import Backoff
+from idemq.errors import BrokerError, BrokerUnavailableError, StoreError, StoreUnavailableError
 
-__all__ = ["STARTUP_GIVE_UP_AFTER_S", "Outage"]
+__all__ = ["OUTAGE_BACKOFF", "STARTUP_GIVE_UP_AFTER_S", "Outage"]
 
-log = logging.getLogger("idemq.worker")
+log = logging.getLogger("idemq.outage")
 
 STARTUP_GIVE_UP_AFTER_S = 30.0
 """How long a worker that never reached its broker keeps trying, unless told otherwise."""
 
 
+OUTAGE_BACKOFF = Backoff(0.5, 30.0)
+"""Half a second after the first failure, doubling to 30 s: a blip is over quickly, a long outage
+is not hammered."""
+
+
 class Outage:
-    """The retries of one broker outage: :meth:`failed` after each failed attempt (it waits, or
-    raises once ``give_up_after_s`` has passed since the first failure), :meth:`over` once the
-    broker answers again. ``give_up_after_s=None``: never give up."""
+    """The retries of one outage: :meth:`failed` after each failed attempt (it waits, or raises
+    once ``give_up_after_s`` has passed since the first failure), :meth:`over` once the broker
+    or store answers again. ``give_up_after_s=None``: never give up. ``stopping`` cuts a wait
+    short (the process is stopping)."""
 
     def __init__(
         self,
         give_up_after_s: float | None,
         stopping: threading.Event,
         *,
-        first_wait_s: float = 0.5,
-        max_wait_s: float = 30.0,
+        backoff: Backoff = OUTAGE_BACKOFF,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.give_up_after_s = give_up_after_s
         self.stopping = stopping
-        self.first_wait_s = first_wait_s
-        self.max_wait_s = max_wait_s
+        self.backoff = backoff
         self.clock = clock
         self.attempts = 0
         self.started_s: float | None = None
@@ -57,24 +67,28 @@ class Outage:
         return max(self.give_up_after_s - (now - self.started_s), 0.0)
 
     def over(self) -> None:
-        """The broker answered: the next failure starts a new outage."""
+        """The broker or store answered: the next failure starts a new outage."""
         self.attempts = 0
         self.started_s = None
 
-    def failed(self, error: BrokerError, doing: str) -> None:
-        """Log the failed attempt on one line and wait before the next one; raise
-        :class:`BrokerUnavailableError` (``from error``) when it is time to give up."""
+    def failed(self, error: BrokerError | StoreError, doing: str) -> None:
+        """Log the failed attempt on one line and wait before the next one; when it is time to
+        give up, raise :class:`BrokerUnavailableError` (for a broker's error) or
+        :class:`StoreUnavailableError` (for a store's), ``from error``."""
         now = self.clock()
         if self.started_s is None:
             self.started_s = now
         self.attempts += 1
         elapsed_s = now - self.started_s
         if self.give_up_after_s is not None and elapsed_s >= self.give_up_after_s:
-            raise BrokerUnavailableError(
+            given_up = (
+                BrokerUnavailableError if isinstance(error, BrokerError) else StoreUnavailableError
+            )
+            raise given_up(
                 f"{doing}: gave up after {self.attempts} attempt{'' if self.attempts == 1 else 's'}"
                 f" in {elapsed_s:.1f}s: {error}"
             ) from error
-        wait_s = min(self.first_wait_s * 2 ** (self.attempts - 1), self.max_wait_s)
+        wait_s = self.backoff.delay_s(self.attempts)
         if self.give_up_after_s is not None:  # the last attempt falls on the deadline
             wait_s = min(wait_s, self.give_up_after_s - elapsed_s)
         log.warning(
