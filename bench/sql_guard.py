@@ -5,7 +5,8 @@ row and, if it was new, the business UPDATE, in one transaction. idemq runs the 
 UPDATE through ``tx.exec_driver_sql`` inside ``Idempotency.process``. Two passes each: first
 delivery of N ids, then all N again (duplicates). Best of ``--repeat`` runs, contenders alternated.
 A third loop prints the *bound*: the raw loop with idemq's own claim statement in place of the
-raw INSERT (see :func:`claim_loop`).
+raw INSERT (see :func:`claim_loop`). Each row also prints the client CPU per message
+(``time.process_time``: this process only, the servers excluded), and every ratio.
 
     python bench/sql_guard.py [--n 2000] [--sqlite-n 20000] [--repeat 3] [--only postgres,...]
 """
@@ -26,7 +27,7 @@ import pymysql
 import sqlalchemy as sa
 
 import idemq
-from idemq.drivers.sql import Step
+from idemq.drivers.sql import DriverStatement, Step
 from idemq.guard.core import Policy
 from idemq.stores.sql.dialects import plans_for
 
@@ -77,11 +78,22 @@ def reset(store: idemq.SqlStore) -> None:
         conn.exec_driver_sql(f"DELETE FROM {IDEMQ_TABLE}")
 
 
-def raw_loop(backend: Backend, ids: list[str]) -> float:
+class Clocks:
+    """Wall time and this process's CPU time, started together."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def raw_loop(backend: Backend, ids: list[str]) -> tuple[float, float]:
     conn = backend.raw_connect()
     cur = conn.cursor()
     update = f"UPDATE {ACCOUNTS} SET balance = balance - 1 WHERE id = {backend.param}"
-    start = time.perf_counter()
+    clocks = Clocks()
     for message_id in ids:
         if backend.name == "sqlite":
             cur.execute("BEGIN IMMEDIATE")
@@ -89,47 +101,28 @@ def raw_loop(backend: Backend, ids: list[str]) -> float:
         if cur.rowcount == 1:
             cur.execute(update, (1,))
         conn.commit()
-    elapsed = time.perf_counter() - start
+    elapsed = clocks.stop()
     conn.close()
     return elapsed
 
 
-def driver_form(backend: Backend) -> Callable[[Step], tuple[str, Any]]:
-    """A step of the store's plans as the bare driver takes it: SQL compiled by SQLAlchemy for
-    the driver's named paramstyle, parameters converted by each bind's type (a datetime becomes
-    SQLite's text form)."""
-    paramstyle = "named" if backend.name == "sqlite" else "pyformat"
-    compiling = sa.create_engine(backend.url, paramstyle=paramstyle)
-    with compiling.connect():  # the dialect learns the server (MariaDB's RETURNING)
-        pass
-    dialect = compiling.dialect
-    compiled_sql: dict[int, Any] = {}
-
-    def render(step: Step) -> tuple[str, Any]:
-        compiled = compiled_sql.get(id(step.statement))
-        if compiled is None:
-            compiled = compiled_sql[id(step.statement)] = step.statement.compile(dialect=dialect)
-        params = compiled.construct_params(dict(step.params))
-        for name, bind in compiled.binds.items():
-            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
-            if process is not None:
-                params[name] = process(params[name])
-        return str(compiled), params
-
-    return render
-
-
-def claim_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> float:
+def claim_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> tuple[float, float]:
     """The raw loop with idemq's own claim in place of the raw INSERT: a bound, not a contender.
 
     The claim inserts the record and, when it loses, hands back the stored one (a duplicate is
     answered with its result); the raw INSERT reads nothing back. Statements and parameters are
     rendered before the clock starts, so no idemq or SQLAlchemy code runs per message: what this
     loop loses against the raw one, no guard that replays a stored result can win back.
+    The SQL and parameters are the store's own: its plans' compiled statements
+    (:class:`~idemq.drivers.sql.DriverStatement`), bound as the store binds them.
     """
     with store.engine.connect() as probe:  # MariaDB vs MySQL is known once connected
         plans = plans_for(probe.dialect, store.table)
-    render = driver_form(backend)
+
+    def render(step: Step) -> tuple[str, Any]:
+        assert isinstance(step.statement, DriverStatement)
+        return step.statement.bind(step.params)
+
     policy = Policy.build(consumer="bench-claim", mode="transactional", lease_s=30, clock=None)
     requests = [policy.request(message_id, message_id[:64]) for message_id in ids]
     # The first step of each claim plan: the claim statement, with this message's parameters.
@@ -138,7 +131,7 @@ def claim_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> float
     conn = backend.raw_connect()
     cur = conn.cursor()
     update = f"UPDATE {ACCOUNTS} SET balance = balance - 1 WHERE id = {backend.param}"
-    start = time.perf_counter()
+    clocks = Clocks()
     for request, claim, read in zip(requests, claims, reads, strict=True):
         if backend.name == "sqlite":  # won iff a row changed; a lost claim reads the record
             cur.execute("BEGIN IMMEDIATE")
@@ -153,12 +146,12 @@ def claim_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> float
         if won:
             cur.execute(update, (1,))
         conn.commit()
-    elapsed = time.perf_counter() - start
+    elapsed = clocks.stop()
     conn.close()
     return elapsed
 
 
-def idemq_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> float:
+def idemq_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> tuple[float, float]:
     guard = idemq.Idempotency(store, consumer="bench")
     placeholder = ":id" if backend.name == "sqlite" else "%(id)s"
     update = f"UPDATE {ACCOUNTS} SET balance = balance - 1 WHERE id = {placeholder}"
@@ -167,32 +160,44 @@ def idemq_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> float
     def handler(tx: sa.Connection) -> None:
         tx.exec_driver_sql(update, params)
 
-    start = time.perf_counter()
+    clocks = Clocks()
     for message_id in ids:
         guard.process(message_id, handler, business_id=message_id[:64])
-    return time.perf_counter() - start
+    return clocks.stop()
 
 
-def bench(backend: Backend, repeat: int) -> list[tuple[str, dict[str, float]]]:
-    """msg/s per contender and pass: best of ``repeat`` runs, contenders alternated."""
+def bench(backend: Backend, repeat: int) -> list[tuple[str, dict[str, tuple[float, float]]]]:
+    """Per pass and contender: (msg/s, client CPU µs per message), each the best of ``repeat``
+    runs, contenders alternated."""
     store = setup(backend)
     ids = [f"ORDER_20240115143000{i % 1000:03d}_NODE01_{i:06d}" for i in range(backend.n)]
-    loops: dict[str, Callable[[], float]] = {
+    loops: dict[str, Callable[[], tuple[float, float]]] = {
         "raw": lambda: raw_loop(backend, ids),
         "claim": lambda: claim_loop(store, backend, ids),
         "idemq": lambda: idemq_loop(store, backend, ids),
     }
-    best: dict[tuple[str, str], float] = {}
+    wall: dict[tuple[str, str], float] = {}
+    cpu: dict[tuple[str, str], float] = {}
     for _ in range(repeat):
         reset(store)
         for contender, run in loops.items():
             for phase in ("first", "duplicates"):
-                elapsed = run()
+                elapsed, used = run()
                 key = (contender, phase)
-                best[key] = min(best.get(key, float("inf")), elapsed)
+                wall[key] = min(wall.get(key, float("inf")), elapsed)
+                cpu[key] = min(cpu.get(key, float("inf")), used)
     store.close()
     return [
-        (phase, {contender: backend.n / best[(contender, phase)] for contender in loops})
+        (
+            phase,
+            {
+                contender: (
+                    backend.n / wall[contender, phase],
+                    1e6 * cpu[contender, phase] / backend.n,
+                )
+                for contender in loops
+            },
+        )
         for phase in ("first", "duplicates")
     ]
 
@@ -246,19 +251,25 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated: postgres,mariadb,sqlite")
     args = parser.parse_args()
     print(
-        f"{'backend':<10}{'pass':<12}{'raw msg/s':>12}{'idemq msg/s':>14}{'ratio':>8}"
-        f"{'bound msg/s':>14}{'bound':>8}"
+        f"{'backend':<10}{'pass':<12}{'raw msg/s':>10}{'cpu us':>8}{'idemq msg/s':>12}{'cpu us':>8}"
+        f"{'ratio':>7}{'bound msg/s':>12}{'cpu us':>8}{'bound':>7}{'idemq/bound':>12}"
     )
     for backend in backends(args):
         for phase, rate in bench(backend, args.repeat):
-            raw = rate["raw"]
+            (raw, raw_cpu), (ours, our_cpu), (bound, bound_cpu) = (
+                rate["raw"],
+                rate["idemq"],
+                rate["claim"],
+            )
             print(
-                f"{backend.name:<10}{phase:<12}{raw:>12,.0f}{rate['idemq']:>14,.0f}"
-                f"{rate['idemq'] / raw:>7.2f}x{rate['claim']:>14,.0f}{rate['claim'] / raw:>7.2f}x"
+                f"{backend.name:<10}{phase:<12}{raw:>10,.0f}{raw_cpu:>8.0f}{ours:>12,.0f}"
+                f"{our_cpu:>8.0f}{ours / raw:>6.2f}x{bound:>12,.0f}{bound_cpu:>8.0f}"
+                f"{bound / raw:>6.2f}x{ours / bound:>11.2f}x"
             )
     print(
-        "bound: the raw loop running idemq's own claim (which returns the stored record, as a "
-        "duplicate's replay needs), no idemq code per message"
+        "cpu us: client CPU per message (this process); ratio: idemq / raw; bound: the raw loop "
+        "running idemq's own claim (which returns the stored record, as a duplicate's replay "
+        "needs), no idemq code per message, / raw"
     )
 
 

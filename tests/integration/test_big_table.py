@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 import idemq
+from idemq.drivers.sql import DriverStatement
 from idemq.stores.sql.dialects import plans_for
 from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
 
@@ -54,6 +55,8 @@ def big_store(request: pytest.FixtureRequest) -> Iterator[idemq.SqlStore]:
 
 
 def _plan(store: idemq.SqlStore, statement: Any, params: dict[str, Any]) -> str:
+    if isinstance(statement, DriverStatement):  # the per-message ones: their Core statement
+        statement = statement.statement
     with store.engine.connect() as conn:
         compiled = statement.compile(dialect=conn.dialect)
         bound = {**compiled.params, **params}

@@ -79,7 +79,7 @@ def test_claim_and_cleanup_use_an_index(big_outbox: idemq.Outbox) -> None:
     with big_outbox.engine.connect() as conn:
         sql = big_outbox.statements(conn.dialect)
         dialect = conn.dialect.name
-        claim = _plan(conn, sql.claim, {"now_ms": NOW_MS, "limit": 100})
+        claim = _plan(conn, sql.claim.statement, {"now_ms": NOW_MS, "limit": 100})
         _assert_indexed(dialect, big_outbox.table, claim)
         # Rows come in index order and the LIMIT stops the scan: a backlog is never sorted.
         if dialect == "postgresql":

@@ -19,14 +19,25 @@ Everything idemq does to a SQL database passes through here, and each piece prev
   connect, ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` only: what the block itself raises (a handler's
   own error) propagates untouched.
 * :func:`run` / :func:`arun` carry out a sans-I/O SQL :data:`Plan` (the stores' primitives, the
-  business guards) on a connection through ``Connection.execute``, one :class:`Step` at a time.
+  business guards) on a connection, one :class:`Step` at a time: a Core statement through
+  ``Connection.execute``, a :class:`DriverStatement` (the statements run for every message,
+  compiled once) on the DBAPI cursor of the connection the transaction holds.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections import namedtuple
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, NamedTuple, TypeVar
 
@@ -37,6 +48,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Executable
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from idemq._plan import adrive, drive
 from idemq.drivers.extras import SQL_DRIVER_EXTRAS, missing_extra
@@ -54,14 +66,17 @@ from idemq.errors import (
 
 __all__ = [
     "ENGINE_DEFAULTS",
+    "DriverStatement",
     "Plan",
     "Reply",
     "Step",
     "abegin",
     "arun",
+    "arun_step",
     "async_engine_from_url",
     "async_url",
     "begin",
+    "check_sqlite_transaction",
     "connection_lost",
     "create_table_once",
     "discard_inherited_connections",
@@ -70,6 +85,7 @@ __all__ = [
     "parse_url",
     "prepare_sqlite",
     "run",
+    "run_step",
     "sql_engine",
     "sync_url",
     "transaction_aborted",
@@ -91,18 +107,93 @@ ENGINE_DEFAULTS: dict[str, Any] = {"pool_reset_on_return": None, "pool_pre_ping"
 # -- plans ---------------------------------------------------------------------------------------
 
 
-class Step(NamedTuple):
-    """One statement of a plan: a Core construct or ``text()`` built once, and this call's
-    parameters (bind name → value)."""
+class DriverStatement:
+    """A Core statement compiled once, by SQLAlchemy's compiler, for one dialect: the SQL text
+    the DBAPI driver runs, and how a step's parameters are laid out for it.
 
-    statement: Executable
+    A statement run for every message is executed through this on the driver's own cursor
+    (see :func:`run`), so SQLAlchemy's compile-cache lookup, execution context and result
+    processing are paid once per store instead of once per statement. What that skips is made
+    good here and in :func:`run`:
+
+    * bound literals of the statement (a constant SQLAlchemy chose to bind) are filled in from
+      the compiled statement;
+    * a bind whose type converts values for this driver (a datetime written by sqlite3 as
+      SQLAlchemy's text form) keeps that conversion, taken from the type's public
+      ``bind_processor``; on psycopg and PyMySQL the plans' values need none;
+    * rows come back as named tuples of the driver's values, so a plan reads them by name; no
+      result processing runs (PyMySQL and sqlite3 return JSON and datetimes as text; the plans
+      decode what they read: see :func:`idemq.stores.sql.plans.json_record`).
+
+    ``statement`` stays the Core construct, for executors that compile it themselves.
+    """
+
+    def __init__(self, statement: Executable, dialect: sa.Dialect) -> None:
+        compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
+        if not isinstance(compiled, SQLCompiler):
+            raise TypeError(f"not a SQL statement: {statement!r}")
+        # The binds by the names the SQL text uses (``binds`` also lists them by internal key).
+        rendered = set(compiled.bind_names.values())
+        binds = {name: bind for name, bind in compiled.binds.items() if name in rendered}
+        self.statement = statement
+        self.compiled = compiled
+        self.sql = compiled.string
+        self.sqlite = dialect.name == "sqlite"
+        self.positions = compiled.positiontup if dialect.positional else None
+        # IN lists of any length are rendered per call (SQLAlchemy's "expanding" binds).
+        self.expanding = any(bind.expanding for bind in binds.values())
+        self.literals = {
+            name: bind.effective_value for name, bind in binds.items() if not bind.required
+        }
+        processors = {}
+        for name, bind in binds.items():
+            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if process is not None:
+                processors[name] = process
+        self.processors = processors
+        self._row: Any = None
+
+    def __repr__(self) -> str:
+        return f"DriverStatement({self.sql!r})"
+
+    def bind(self, params: Mapping[str, Any]) -> tuple[str, Any]:
+        """The SQL and the driver's parameters (a dict, or a tuple for a positional
+        paramstyle) for this call's ``params``."""
+        values = {**self.literals, **params} if self.literals else dict(params)
+        for name, process in self.processors.items():
+            if name in values:
+                values[name] = process(values[name])
+        if self.expanding:
+            state = self.compiled.construct_expanded_state(values)
+            if self.positions is None:
+                return state.statement, state.parameters
+            return state.statement, state.positional_parameters
+        if self.positions is None:
+            return self.sql, values
+        return self.sql, tuple(values[name] for name in self.positions)
+
+    def rows(self, names: Callable[[], Iterable[str]], rows: Iterable[Any]) -> list[Any]:
+        """The driver's rows as named tuples, read by name like SQLAlchemy's rows (``names``:
+        the result's column names, asked for once: every call returns the same columns)."""
+        row = self._row
+        if row is None:
+            row = self._row = namedtuple("Row", list(names()), rename=True)
+        return [row(*values) for values in rows]
+
+
+class Step(NamedTuple):
+    """One statement of a plan: a Core construct or ``text()`` built once, or a
+    :class:`DriverStatement` compiled once, and this call's parameters (bind name → value)."""
+
+    statement: Executable | DriverStatement
     params: Mapping[str, Any]
 
 
 class Reply(NamedTuple):
-    """What a plan gets back for one :class:`Step`: every row, buffered, and the row count."""
+    """What a plan gets back for one :class:`Step`: every row, buffered (SQLAlchemy's rows,
+    or a :class:`DriverStatement`'s named tuples), and the row count."""
 
-    rows: Sequence[sa.Row[Any]]
+    rows: Sequence[Any]
     rowcount: int
 
 
@@ -112,32 +203,118 @@ Plan = Generator[Step, Reply, T]
 
 def run(conn: Connection | Session, plan: Plan[T], doing: str) -> T:
     """Carry out ``plan`` on ``conn`` (a ``Connection`` or ORM ``Session``) inside its current
-    transaction; a database failure is raised into the plan as an idemq error naming ``doing``."""
+    transaction; a database failure is raised into the plan as an idemq error naming ``doing``.
+
+    A :class:`DriverStatement` runs on the DBAPI cursor of the connection the transaction
+    holds (SQLAlchemy's "working with the DBAPI connection"). What SQLAlchemy would do around
+    it is done here: the driver's error is translated by :func:`translate_db_error`; a
+    connection the driver reports lost is invalidated, and the pool replaced, so neither it nor
+    its pool-mates opened before the outage are handed out again;
+    on SQLite a statement is refused once SQLite ended the transaction by itself
+    (:func:`check_sqlite_transaction`).
+    """
     connection = conn.connection() if isinstance(conn, Session) else conn
+    return drive(plan, lambda step: run_step(connection, step, doing))
 
-    def execute(step: Step) -> Reply:
-        try:
-            result = connection.execute(step.statement, step.params)
-            return Reply(result.all() if result.returns_rows else (), result.rowcount)
-        except (SQLAlchemyError, OSError) as error:
-            raise translate_db_error(error, doing) from error
 
-    return drive(plan, execute)
+def run_step(connection: Connection, step: Step, doing: str) -> Reply:
+    r"""One :class:`Step` on ``connection``, as :func:`run` runs it (for callers whose plans
+    are not :data:`Plan`\ s: the outbox's add and its relay)."""
+    statement = step.statement
+    try:
+        if isinstance(statement, DriverStatement):
+            return _execute_on_cursor(connection, statement, step.params)
+        result = connection.execute(statement, step.params)
+        return Reply(result.all() if result.returns_rows else (), result.rowcount)
+    except (SQLAlchemyError, OSError, connection.dialect.loaded_dbapi.Error) as error:
+        raise translate_db_error(error, doing) from error
+
+
+def _execute_on_cursor(
+    connection: Connection, statement: DriverStatement, params: Mapping[str, Any]
+) -> Reply:
+    sql, args = statement.bind(params)
+    driver: Any = connection.connection.driver_connection
+    if statement.sqlite:
+        check_sqlite_transaction(connection, driver)
+    dialect = connection.dialect
+    cursor = driver.cursor()
+    try:
+        cursor.execute(sql, args)
+        description = cursor.description
+        if description is None:
+            return Reply((), cursor.rowcount)
+        names = lambda: (column[0] for column in description)  # noqa: E731
+        return Reply(statement.rows(names, cursor.fetchall()), cursor.rowcount)
+    except dialect.loaded_dbapi.Error as error:
+        if dialect.is_disconnect(error, driver, cursor):
+            # What SQLAlchemy does on a disconnect: this connection is never handed out again,
+            # nor are the pool's others, opened before it and most likely as dead (a server
+            # restart, a failover): the pool is replaced, its idle connections closed.
+            connection.invalidate(error)
+            connection.engine.dispose()
+        raise
+    finally:
+        cursor.close()
 
 
 async def arun(conn: AsyncConnection | AsyncSession, plan: Plan[T], doing: str) -> T:
     """:func:`run` on an ``AsyncConnection`` or ``AsyncSession``: the same plan, each step
-    awaited (``AsyncConnection.execute`` buffers the whole result)."""
+    awaited (``AsyncConnection.execute`` buffers the whole result).
+
+    A :class:`DriverStatement` runs on psycopg's own async cursor (the DBAPI connection of
+    ``AsyncConnection.get_raw_connection()``), with :func:`run`'s care around it; on the other
+    async drivers, whose connections share no cursor interface, through
+    ``AsyncConnection.exec_driver_sql`` (compiled once all the same).
+    """
     connection = await conn.connection() if isinstance(conn, AsyncSession) else conn
 
     async def execute(step: Step) -> Reply:
-        try:
-            result = await connection.execute(step.statement, step.params)
-            return Reply(result.all() if result.returns_rows else (), result.rowcount)
-        except (SQLAlchemyError, OSError) as error:
-            raise translate_db_error(error, doing) from error
+        return await arun_step(connection, step, doing)
 
     return await adrive(plan, execute)
+
+
+async def arun_step(connection: AsyncConnection, step: Step, doing: str) -> Reply:
+    """:func:`run_step` on an ``AsyncConnection``, as :func:`arun` runs a step."""
+    statement = step.statement
+    dialect = connection.dialect
+    try:
+        if isinstance(statement, DriverStatement):
+            if dialect.driver == "psycopg":
+                return await _aexecute_on_cursor(connection, statement, step.params)
+            result = await connection.exec_driver_sql(*statement.bind(step.params))
+            if not result.returns_rows:
+                return Reply((), result.rowcount)
+            return Reply(statement.rows(result.keys, result.all()), result.rowcount)
+        result = await connection.execute(statement, step.params)
+        return Reply(result.all() if result.returns_rows else (), result.rowcount)
+    except (SQLAlchemyError, OSError, dialect.loaded_dbapi.Error) as error:
+        raise translate_db_error(error, doing) from error
+
+
+async def _aexecute_on_cursor(
+    connection: AsyncConnection, statement: DriverStatement, params: Mapping[str, Any]
+) -> Reply:
+    sql, args = statement.bind(params)
+    pooled = await connection.get_raw_connection()
+    driver: Any = pooled.driver_connection
+    dialect = connection.dialect
+    cursor = driver.cursor()
+    try:
+        await cursor.execute(sql, args)
+        description = cursor.description
+        if description is None:
+            return Reply((), cursor.rowcount)
+        names = lambda: (column[0] for column in description)  # noqa: E731
+        return Reply(statement.rows(names, await cursor.fetchall()), cursor.rowcount)
+    except dialect.loaded_dbapi.Error as error:
+        if dialect.is_disconnect(error, pooled.dbapi_connection, cursor):
+            await connection.invalidate(error)  # see _execute_on_cursor
+            await connection.engine.dispose()
+        raise
+    finally:
+        await cursor.close()
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -197,6 +374,11 @@ _UNREACHABLE = (
 def translate_db_error(error: BaseException, doing: str) -> StoreError:
     """The idemq error a consumer can act on, for a failure while ``doing`` something.
 
+    ``error`` is SQLAlchemy's (it wraps every driver's error in
+    :class:`~sqlalchemy.exc.DBAPIError`) or a driver's own, raised on its cursor (psycopg,
+    PyMySQL, sqlite3 and the async drivers: PEP 249 gives their classes the same names); both
+    are read the same way:
+
     * deadlock / serialization failure / lock timeout → :class:`StoreConflictError` (roll back and
       run the message again: nothing was committed);
     * lost connection, timeouts, other operational failures, the pool's timeout, a closed or
@@ -213,12 +395,19 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
     caller raises the returned error ``from`` the original, so it stays as ``__cause__``.
     Messages never include a password or the statement's parameters.
     """
-    if not isinstance(error, exc.DBAPIError):
+    if isinstance(error, exc.DBAPIError):
+        orig: BaseException | None = error.orig
+        kinds = {cls.__name__ for cls in type(error).__mro__}
+        invalidated = error.connection_invalidated
+    elif _is_driver_error(error):
+        orig = error
+        kinds = {cls.__name__ for cls in type(error).__mro__}
+        invalidated = False
+    else:
         message = _without_secrets(f"{doing} failed: {type(error).__name__}: {error}")
         if isinstance(error, _UNREACHABLE):
             return StoreUnavailableError(message)
         return StoreError(message)
-    orig = error.orig
     sqlstate = getattr(orig, "sqlstate", None)
     args = getattr(orig, "args", ())
     errno = args[0] if args else None
@@ -227,24 +416,39 @@ def translate_db_error(error: BaseException, doing: str) -> StoreError:
     message = _without_secrets(f"{doing} failed: {type(orig).__name__}: {first_line}")
     if sqlstate in _PG_RETRYABLE_SQLSTATES or errno in _MYSQL_RETRYABLE_ERRNOS:
         return StoreConflictError(message)
-    if isinstance(error, exc.IntegrityError):
+    if "IntegrityError" in kinds:
         duplicate = (
             sqlstate == _PG_DUPLICATE_SQLSTATE
             or errno == _MYSQL_DUPLICATE_ERRNO
             or first_line.startswith(_SQLITE_DUPLICATE_TEXTS)
         )
         return DuplicateKeyError(message) if duplicate else StoreIntegrityError(message)
-    if isinstance(error, exc.OperationalError) and "database is locked" in str(orig):
+    operational = bool(_OPERATIONAL & kinds)
+    if operational and "database is locked" in str(orig):
         return StoreConflictError(message)  # SQLite busy timeout ran out
     if _refuses_setup(str(orig), sqlstate, errno):
         return StoreConfigurationError(message)
-    if error.connection_invalidated:
+    if invalidated:
         return StoreUnavailableError(message)
     if errno in _MYSQL_STATEMENT_ERRNOS or _SQLITE_STATEMENT_TEXT.match(first_line):
         return StoreError(message)  # the statement cannot run as written: not an outage
-    if isinstance(error, exc.OperationalError | exc.InterfaceError):
+    if operational:
         return StoreUnavailableError(message)
     return StoreError(message)
+
+
+# The drivers idemq runs on, by top-level package; their errors are read by their PEP 249 names
+# (SQLAlchemy's wrappers carry the same names: OperationalError, IntegrityError …).
+_DRIVER_PACKAGES = frozenset({"psycopg", "pymysql", "sqlite3", "asyncmy", "aiosqlite", "MySQLdb"})
+_OPERATIONAL = frozenset({"OperationalError", "InterfaceError"})
+
+
+def _is_driver_error(error: BaseException) -> bool:
+    """Whether ``error`` is a DBAPI driver's own exception (PEP 249's ``Error`` tree)."""
+    package = type(error).__module__.partition(".")[0]
+    return package in _DRIVER_PACKAGES and any(
+        cls.__name__ == "Error" for cls in type(error).__mro__
+    )
 
 
 def _without_secrets(text: str) -> str:
@@ -363,7 +567,7 @@ def begin(engine: Engine, where: str) -> Iterator[Connection]:
                 doing, raised = "rollback", body_error
                 raise
             _check_still_open(conn.in_transaction(), where)
-    except (SQLAlchemyError, OSError) as error:
+    except (SQLAlchemyError, OSError, engine.dialect.loaded_dbapi.Error) as error:
         if error is raised:
             raise
         raise translate_db_error(error, f"{doing} on {where}") from error
@@ -394,7 +598,7 @@ async def abegin(engine: AsyncEngine, where: str) -> AsyncIterator[AsyncConnecti
                 doing, raised = "rollback", body_error
                 raise
             _check_still_open(conn.in_transaction(), where)
-    except (SQLAlchemyError, OSError) as error:
+    except (SQLAlchemyError, OSError, engine.dialect.loaded_dbapi.Error) as error:
         if error is raised:
             raise
         raise translate_db_error(error, f"{doing} on {where}") from error
@@ -491,27 +695,42 @@ def prepare_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # On the DBAPI cursor, not exec_driver_sql: no execution context nor statement events
+        # for a statement every transaction sends. SQLAlchemy does not wrap an error raised
+        # here, so begin()/abegin() translate the driver's own error.
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute("BEGIN IMMEDIATE")
+        finally:
+            cursor.close()
 
     @event.listens_for(engine, "before_cursor_execute")
-    def _still_in_transaction(conn: Connection, _cursor: Any, statement: str, *_args: Any) -> None:
-        # SQLite rolls a whole transaction back by itself on some errors (a conflict clause
-        # OR ROLLBACK, RAISE(ROLLBACK) in a trigger, a full disk). With the driver's own
-        # transaction handling off, every later statement would then commit on its own, out
-        # of reach of the ROLLBACK that follows: a handler that caught the error would commit
-        # its later writes without the dedup row, and run them again on the retry. So a
-        # statement is refused while SQLAlchemy's transaction is open but SQLite's is gone.
-        driver = conn.connection.driver_connection
-        if (
-            conn.in_transaction()
-            and driver is not None
-            and not driver.in_transaction
-            and not statement.startswith("BEGIN")
-        ):
-            raise TransactionLostError(
-                "SQLite rolled this transaction back by itself (an error inside it): no "
-                "statement runs outside it; nothing of it is committed"
-            )
+    def _still_in_transaction(conn: Connection, *_args: Any) -> None:
+        check_sqlite_transaction(conn, conn.connection.driver_connection)
+
+
+def check_sqlite_transaction(conn: Connection, driver_connection: Any) -> None:
+    """Raise :class:`TransactionLostError` before a statement on SQLite's ``conn`` once SQLite
+    ended its transaction by itself.
+
+    SQLite rolls a whole transaction back by itself on some errors (a conflict clause OR
+    ROLLBACK, RAISE(ROLLBACK) in a trigger, a full disk). With the driver's own transaction
+    handling off (:func:`prepare_sqlite`), every later statement would then commit on its own,
+    out of reach of the ROLLBACK that follows: a handler that caught the error would commit its
+    later writes without the dedup row, and run them again on the retry. So a statement is
+    refused while SQLAlchemy's transaction is open but sqlite3's (``driver_connection``) is gone.
+    Checked before every statement: SQLAlchemy's (the ``before_cursor_execute`` hook) and the
+    ones :func:`run` sends on the driver's cursor.
+    """
+    if (
+        conn.in_transaction()
+        and driver_connection is not None
+        and not driver_connection.in_transaction
+    ):
+        raise TransactionLostError(
+            "SQLite rolled this transaction back by itself (an error inside it): no "
+            "statement runs outside it; nothing of it is committed"
+        )
 
 
 def discard_inherited_connections(engine: Engine) -> None:

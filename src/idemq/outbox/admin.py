@@ -77,7 +77,7 @@ def retry_dead(outbox: Outbox, message_id: str) -> bool:
             }
             # The insert adds nothing for an id already waiting (a later run of the message
             # took it again after a forget): the dead row is then kept, not dropped unsent.
-            if conn.execute(insert, params).rowcount != 1:
+            if conn.execute(insert.statement, params).rowcount != 1:
                 raise _already_waiting(outbox, message_id)
             conn.execute(sql.delete_dead, {"id": message_id})
             return True

@@ -13,13 +13,21 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import Connection, Dialect, Engine, TextClause
+from sqlalchemy import Connection, Dialect, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from idemq._clock import system_clock_ms
 from idemq._plan import Plan, adrive, drive
-from idemq.drivers.sql import driver_reports_aborts, transaction_aborted, translated
+from idemq.drivers.sql import (
+    Reply,
+    Step,
+    arun_step,
+    driver_reports_aborts,
+    run_step,
+    transaction_aborted,
+    translated,
+)
 from idemq.errors import (
     ConfigurationError,
     DuplicateKeyError,
@@ -43,8 +51,6 @@ __all__ = ["AsyncOutbox", "Outbox", "OutboxBase", "add_plan"]
 MAX_KEY_LENGTH = 128
 MAX_DESTINATION_LENGTH = 255
 MAX_GENERATIONS = 1000  # runs of one message whose rows are all still there: not a real case
-
-Step = tuple[TextClause, dict[str, Any]]
 
 
 def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
@@ -86,19 +92,19 @@ def add_plan(  # noqa: PLR0917 - the add's own arguments, in its order
     if message_id is not None:
         if not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_KEY_LENGTH:
             raise InvalidInputError(f"outbox message_id must be 1..128 characters: {message_id!r}")
-        if (yield sql.has_id, {"id": message_id}).first() is None:
+        if not (yield Step(sql.has_id, {"id": message_id})).rows:
             # A racing add of the same id that committed first: it is there, once.
             with contextlib.suppress(DuplicateKeyError):
-                yield statement, {**params, "id": message_id}
+                yield Step(statement, {**params, "id": message_id})
         return message_id
     candidates = derived_ids()
     if candidates is None:  # outside a handler: a fresh id of this process
         fresh = next_outbox_id()
-        yield statement, {**params, "id": fresh}
+        yield Step(statement, {**params, "id": fresh})
         return fresh
     for candidate in itertools.islice(candidates, MAX_GENERATIONS):
         try:
-            reply = yield statement, {**params, "id": candidate}
+            reply = yield Step(statement, {**params, "id": candidate})
         except DuplicateKeyError:  # MariaDB/MySQL; the others answer with a row count of 0
             continue
         if reply.rowcount:
@@ -227,11 +233,7 @@ class Outbox(OutboxBase):
             message_id,
         )
 
-        def execute(step: Step) -> Any:
-            with translated(doing):
-                return conn.execute(*step)
-
-        return drive(plan, execute)
+        return drive(plan, lambda step: run_step(conn, step, doing))
 
 
 class AsyncOutbox(OutboxBase):
@@ -295,9 +297,8 @@ class AsyncOutbox(OutboxBase):
             message_id,
         )
 
-        async def execute(step: Step) -> Any:
-            with translated(doing):
-                return await conn.execute(*step)
+        async def execute(step: Step) -> Reply:
+            return await arun_step(conn, step, doing)
 
         return await adrive(plan, execute)
 

@@ -55,7 +55,7 @@ from idemq._clock import system_clock_ms
 from idemq._outage import Outage
 from idemq.brokers import open_broker
 from idemq.brokers.base import Broker
-from idemq.drivers.sql import translated
+from idemq.drivers.sql import DriverStatement, Step, run_step, translated
 from idemq.errors import (
     BrokerError,
     BrokerUnavailableError,
@@ -169,7 +169,7 @@ class OutboxRelay:
             # committed) and keeps off the key.
             while total.claimed < self.batch_size:
                 limit = self.batch_size - total.claimed
-                rows = conn.execute(sql.claim, {"now_ms": self.clock(), "limit": limit}).all()
+                rows = self._run(conn, sql.claim, {"now_ms": self.clock(), "limit": limit})
                 result = self._publish(rows)
                 self._settle(conn, sql, result, {})
                 total.merge(result)
@@ -184,7 +184,7 @@ class OutboxRelay:
         params = {**mine, "now_ms": now, "until_ms": now + int(self.lease_s * 1000)}
         engine = self.outbox.engine
         with engine.begin() as conn:
-            rows = conn.execute(sql.claim, {**params, "limit": self.batch_size}).all()
+            rows = self._run(conn, sql.claim, {**params, "limit": self.batch_size})
         ids = [row.id for row in rows]
         # Kept until the settle has committed: a lease running out between the last confirm
         # and the delete would let another relay publish a row already sent.
@@ -236,11 +236,11 @@ class OutboxRelay:
         now = self.clock()
         if result.published:
             if self.keep_sent_s > 0:
-                conn.execute(sql.mark_sent, {"ids": result.published, "now_ms": now, **mine})
+                self._run(conn, sql.mark_sent, {"ids": result.published, "now_ms": now, **mine})
             elif sql.delete_leased is not None:
-                conn.execute(sql.delete_leased, {"ids": result.published, **mine})
+                self._run(conn, sql.delete_leased, {"ids": result.published, **mine})
             else:
-                conn.execute(sql.delete_sent, {"ids": result.published})
+                self._run(conn, sql.delete_sent, {"ids": result.published})
         for row_id in result.retried:
             attempts, reason = result.refused[row_id]
             delay_s = self.backoff.delay_s(attempts + 1)
@@ -318,6 +318,10 @@ class OutboxRelay:
         self._drop_broker()
 
     # -- plumbing ----------------------------------------------------------------------------
+
+    def _run(self, conn: Connection, statement: DriverStatement, params: dict[str, Any]) -> Any:
+        """The rows of ``statement`` run on the driver's cursor (errors translated)."""
+        return run_step(conn, Step(statement, params), f"relay of {self.outbox.table}").rows
 
     def _connection(self) -> Connection:
         if self._conn is None or self._conn.closed or self._conn.invalidated:

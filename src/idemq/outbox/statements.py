@@ -1,7 +1,9 @@
 """The outbox's SQL, per dialect, built once per table: what ``add`` and the relay run.
 
 Every statement is a ``text()`` with bound parameters; only the (checked) table names are
-spliced in, quoted by the dialect.
+spliced in, quoted by the dialect. The ones run for every message (``add``'s insert and id
+check, the relay's claim and its settling delete or mark) are compiled once for the dialect
+(:class:`~idemq.drivers.sql.DriverStatement`) and run on the driver's cursor.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sqlalchemy import Dialect, TextClause, bindparam, text
+
+from idemq.drivers.sql import DriverStatement
 
 __all__ = ["LOCK_SPACE", "Statements", "statements_for"]
 
@@ -23,12 +27,12 @@ class Statements:
 
     dialect: str
     channel: str  # PostgreSQL LISTEN/NOTIFY channel ('' elsewhere)
-    insert: TextClause
-    insert_keyed: TextClause  # the same, for a row with an ordering key
-    has_id: TextClause  # is a row with this id pending, kept or dead?
-    claim: TextClause
-    delete_sent: TextClause
-    mark_sent: TextClause
+    insert: DriverStatement
+    insert_keyed: DriverStatement  # the same, for a row with an ordering key
+    has_id: DriverStatement  # is a row with this id pending, kept or dead?
+    claim: DriverStatement
+    delete_sent: DriverStatement
+    mark_sent: DriverStatement
     fail: TextClause
     to_dead: TextClause
     delete_one: TextClause
@@ -41,7 +45,7 @@ class Statements:
     # SQLite only (None elsewhere): extend this relay's leases on :ids, returning the ids it
     # still holds (the fence before a publish), and delete only the rows it still holds.
     renew_leases: TextClause | None = None
-    delete_leased: TextClause | None = None
+    delete_leased: DriverStatement | None = None
     release_leases: TextClause | None = None  # rows a batch did not get to (an outage)
     lease_of: TextClause | None = None  # who holds a row's lease, until when
 
@@ -136,22 +140,28 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
             " :cutoff_ms ORDER BY sent_ms LIMIT :limit) AS c)"
         )
     dead_columns = "id, destination, body, headers, ordering_key, created_ms, attempts, last_error"
+
+    def compiled(statement: TextClause) -> DriverStatement:
+        return DriverStatement(statement, dialect)
+
     return Statements(
         dialect=name,
         channel=channel,
-        insert=insert,
-        insert_keyed=insert_keyed,
-        has_id=text(
-            f"SELECT 1 FROM {t} WHERE id = :id UNION ALL SELECT 1 FROM {dead} WHERE id = :id"
+        insert=compiled(insert),
+        insert_keyed=compiled(insert_keyed),
+        has_id=compiled(
+            text(f"SELECT 1 FROM {t} WHERE id = :id UNION ALL SELECT 1 FROM {dead} WHERE id = :id")
         ),
-        claim=claim,
-        delete_sent=text(f"DELETE FROM {t} WHERE id IN :ids").bindparams(
-            bindparam("ids", expanding=True)
+        claim=compiled(claim),
+        delete_sent=compiled(
+            text(f"DELETE FROM {t} WHERE id IN :ids").bindparams(bindparam("ids", expanding=True))
         ),
-        mark_sent=text(
-            f"UPDATE {t} SET sent_ms = :now_ms, lease_owner = NULL, lease_until_ms = NULL"
-            f" WHERE id IN :ids{mine}"
-        ).bindparams(bindparam("ids", expanding=True)),
+        mark_sent=compiled(
+            text(
+                f"UPDATE {t} SET sent_ms = :now_ms, lease_owner = NULL, lease_until_ms = NULL"
+                f" WHERE id IN :ids{mine}"
+            ).bindparams(bindparam("ids", expanding=True))
+        ),
         fail=text(
             f"UPDATE {t} SET attempts = attempts + :counted, next_attempt_ms = :next_ms,"
             f" last_error = :error, lease_owner = NULL, lease_until_ms = NULL WHERE id = :id{mine}"
@@ -171,7 +181,7 @@ def statements_for(dialect: Dialect, table: str) -> Statements:
         dead_count=text(f"SELECT COUNT(*) FROM {dead}"),
         lease=name == "sqlite",
         renew_leases=renew_leases,
-        delete_leased=delete_leased,
+        delete_leased=None if delete_leased is None else compiled(delete_leased),
         release_leases=release_leases,
         lease_of=lease_of,
     )

@@ -25,7 +25,7 @@ from sqlalchemy.sql import Executable
 from sqlalchemy.sql.compiler import Compiled
 
 from idemq._plan import drive
-from idemq.drivers.sql import Plan, Reply, Step, translate_db_error
+from idemq.drivers.sql import DriverStatement, Plan, Reply, Step, translate_db_error
 from idemq.errors import StoreError
 
 __all__ = ["CursorRunner", "driver_error", "translate_driver_error", "wrap_driver_error"]
@@ -92,14 +92,9 @@ class CursorRunner:
         return drive(plan, lambda step: self._execute_translated(raw_connection, step, doing))
 
     def run_steps(self, raw_connection: Any, plan: Any, doing: str) -> Any:
-        """:meth:`run` for a plan of ``(statement, params)`` steps that reads each reply's
-        ``first()`` row and ``rowcount`` (the outbox's add plan)."""
-
-        def execute(step: tuple[Executable, Any]) -> _Rows:
-            reply = self._execute_translated(raw_connection, Step(*step), doing)
-            return _Rows(reply.rows, reply.rowcount)
-
-        return drive(plan, execute)
+        """:meth:`run` for the outbox's add plan (its own plan type: it yields the same
+        :class:`Step`\\ s and reads each reply's ``rows`` and ``rowcount``)."""
+        return drive(plan, lambda step: self._execute_translated(raw_connection, step, doing))
 
     def _execute_translated(self, raw_connection: Any, step: Step, doing: str) -> Reply:
         try:
@@ -111,8 +106,13 @@ class CursorRunner:
             raise translated from error
 
     def execute(self, raw_connection: Any, step: Step) -> Reply:
-        """One statement: compiled, expanded, its values converted; every row read back."""
-        compiled = self.compiled(step.statement)
+        """One statement: compiled, expanded, its values converted; every row read back
+        (a plan's :class:`DriverStatement` is compiled here from its Core statement, with this
+        runner's dialect and its result processing)."""
+        statement = step.statement
+        if isinstance(statement, DriverStatement):
+            statement = statement.statement
+        compiled = self.compiled(statement)
         state = compiled.construct_expanded_state(dict(step.params))  # type: ignore[attr-defined]
         processors = state.processors
         values = {
@@ -128,7 +128,7 @@ class CursorRunner:
             if cursor.description is None:
                 return Reply((), cursor.rowcount)
             rows = cursor.fetchall()
-            return Reply(self._rows(step.statement, cursor.description, rows), cursor.rowcount)
+            return Reply(self._rows(statement, cursor.description, rows), cursor.rowcount)
         finally:
             cursor.close()
 
@@ -160,18 +160,6 @@ class CursorRunner:
         if isinstance(type_, sa.JSON) and processor is None:
             return _json_text
         return processor or _same
-
-
-class _Rows(list[Any]):
-    """Rows with what of SQLAlchemy's ``Result`` the outbox's plan reads: ``first()`` and
-    ``rowcount`` (0 when an ``ON CONFLICT DO NOTHING`` found the id taken)."""
-
-    def __init__(self, rows: Any, rowcount: int) -> None:
-        super().__init__(rows)
-        self.rowcount = rowcount
-
-    def first(self) -> Any:
-        return self[0] if self else None
 
 
 def _same(value: Any) -> Any:

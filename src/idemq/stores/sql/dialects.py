@@ -27,6 +27,7 @@ from sqlalchemy import (
     Dialect,
     Insert,
     Integer,
+    Select,
     String,
     Table,
     and_,
@@ -44,10 +45,9 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
-from sqlalchemy.sql import Executable
 
 from idemq._clock import process_fence_us
-from idemq.drivers.sql import Plan, Step
+from idemq.drivers.sql import DriverStatement, Plan, Step
 from idemq.errors import ConfigurationError, StoreConflictError
 from idemq.stores.base import Claim, ClaimRequest
 from idemq.stores.sql.plans import (
@@ -111,11 +111,9 @@ class PostgresPlans(SqlPlans):
 
     def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
         super().__init__(table, dialect, options)
-        self.claim_stmt: dict[bool, Executable] = {
-            tx: self._claim_statement(tx) for tx in (True, False)
-        }
+        self.claim_stmt = {tx: self.driver(self._claim_statement(tx)) for tx in (True, False)}
         c = table.c
-        self.takeover_stmt = (
+        self.takeover_stmt = self.driver(
             update(table)
             .where(self.key_is, self._takeover_allowed())
             .values(
@@ -234,8 +232,8 @@ class SqlitePlans(SqlPlans):
 
     def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
         super().__init__(table, dialect, options)
-        self.claim_stmt: dict[bool, Executable] = {
-            tx: on_conflict(sqlite.insert(table).values(new_row(tx)), tx, self.clock)
+        self.claim_stmt = {
+            tx: self.driver(on_conflict(sqlite.insert(table).values(new_row(tx)), tx, self.clock))
             for tx in (True, False)
         }
 
@@ -275,17 +273,16 @@ class MySqlPlans(SqlPlans):
         c = table.c
         clock = self.clock
         # A locking read sees the latest committed row, not this transaction's snapshot.
-        self.claim_read_stmt = (
+        self.claim_read_stmt = self.driver(
             select(record_json(table, func.json_array))
             .where(self.key_is)
             .with_for_update(read=True)
         )
-        self.batch_stmt = self.batch_stmt.with_for_update(read=True)
-        self.claim_stmt: dict[bool, Executable] = {
-            tx: self.insert_ignore([new_row(tx, clock=clock)]) for tx in (True, False)
+        self.claim_stmt = {
+            tx: self.driver(self.insert_ignore([new_row(tx, clock=clock)])) for tx in (True, False)
         }
-        self.fence_stmt = select(self.fence_us)
-        self.takeover_stmt = (
+        self.fence_stmt = self.driver(select(self.fence_us))
+        self.takeover_stmt = self.driver(
             update(table)
             .where(
                 self.key_is,
@@ -307,6 +304,10 @@ class MySqlPlans(SqlPlans):
         ).bindparams(
             bindparam("b_cutoff", type_=UtcDateTime()), bindparam("b_limit", type_=Integer())
         )
+
+    def batch_read(self) -> Select[Any]:
+        # A locking read sees the latest committed rows, not this transaction's snapshot.
+        return super().batch_read().with_for_update(read=True)
 
     def server_clock(self) -> StatementClock:
         # UTC_TIMESTAMP(6): the statement's start in UTC, free of the session's time zone (and of
@@ -363,7 +364,7 @@ class MariaDbPlans(MySqlPlans):
     def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
         super().__init__(table, dialect, options)
         c = table.c
-        claim_stmt: dict[bool, Executable] = {}
+        claim_stmt: dict[bool, DriverStatement] = {}
         for transactional in (True, False):
             row = mysql.insert(table).values(new_row(transactional, clock=self.clock))
             new = row.inserted
@@ -387,7 +388,9 @@ class MariaDbPlans(MySqlPlans):
                     ]
                 )
             record = record_json(table, func.json_array)
-            claim_stmt[transactional] = upsert.returning(c.owner, record, self.fence_us)
+            claim_stmt[transactional] = self.driver(
+                upsert.returning(c.owner, record, self.fence_us)
+            )
         self.claim_stmt = claim_stmt
 
     def claim(self, request: ClaimRequest, transactional: bool) -> Plan[Claim]:

@@ -6,6 +6,12 @@ value is the primitive's answer. :class:`~idemq.stores.sql.SqlStore` carries pla
 connection and :class:`~idemq.stores.sql.AsyncSqlStore` on an async one, so the two cannot drift
 apart.
 
+The statements run for every message (the claims, confirm, complete, release, renew, forget and
+the reads a lost claim needs) are :class:`~idemq.drivers.sql.DriverStatement`\\ s: compiled once
+here, by SQLAlchemy's compiler for the store's dialect, and run on the driver's cursor. Their rows
+hold the driver's values, so what reads them decodes text the driver leaves as text
+(:func:`json_record`, :func:`row_record`). The rest stay Core statements.
+
 Bind parameters are named ``b_<what>``, never like a column: ``Connection.execute`` turns a
 parameter named like a column into one more ``SET`` (or ``VALUES``) entry of an UPDATE (INSERT),
 so a parameter called ``owner`` would silently rewrite the owner of a row it only meant to match.
@@ -15,6 +21,7 @@ What differs per dialect (the claim, above all) is in :mod:`idemq.stores.sql.dia
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +54,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.expression import ColumnClause
 
-from idemq.drivers.sql import Plan, Step
+from idemq.drivers.sql import DriverStatement, Plan, Step
 from idemq.errors import (
     ConfigurationError,
     LeaseLostError,
@@ -117,7 +124,8 @@ def record_columns(table: Table) -> list[ColumnClause[Any]]:
 
 
 def row_record(row: Row[Any]) -> Record:
-    """A record from a row of :func:`record_columns` (typed columns: times come back aware UTC)."""
+    """A record from a row of :func:`record_columns`: SQLAlchemy's (times aware UTC) or a
+    :class:`~idemq.drivers.sql.DriverStatement`'s (naive UTC datetimes, or SQLite's text)."""
     return Record(
         consumer=row.consumer,
         message_id=row.message_id,
@@ -128,8 +136,8 @@ def row_record(row: Row[Any]) -> Record:
         owner=row.owner,
         lease_until_ms=row.lease_until_ms,
         attempts=row.attempts,
-        created_time=row.created_time,
-        processed_time=row.processed_time,
+        created_time=as_utc(row.created_time),
+        processed_time=None if row.processed_time is None else as_utc(row.processed_time),
     )
 
 
@@ -146,10 +154,12 @@ def record_json(table: Table, json_array: Any) -> Label[Any]:
     return array.label("record")
 
 
-def json_record(key: Key, values: Sequence[Any]) -> Record:
-    """A record from :func:`record_json`'s array (decoded by SQLAlchemy's JSON type)."""
+def json_record(key: Key, values: Sequence[Any] | str) -> Record:
+    """A record from :func:`record_json`'s array: a list (psycopg decodes JSON itself) or the
+    array's text (PyMySQL and sqlite3 return JSON as text)."""
+    fields: Sequence[Any] = json.loads(values) if isinstance(values, str) else values
     status, business_id, payload_hash, result, owner, lease_until_ms, attempts, created, done = (
-        values
+        fields
     )
     return Record(
         consumer=key.consumer,
@@ -267,8 +277,8 @@ class SqlPlans(ABC):
     """The plans of one store's table; a dialect subclass supplies the claim, its insert and the
     size lookup.
 
-    Every statement is built here once, so SQLAlchemy compiles each once per dialect and finds it
-    in its compiled cache afterwards.
+    Every statement is built here once: the hot ones compiled once (:meth:`driver`), the others
+    found in SQLAlchemy's compiled cache after their first use.
     """
 
     def __init__(self, table: Table, dialect: Dialect, options: PlanOptions | None = None) -> None:
@@ -285,7 +295,7 @@ class SqlPlans(ABC):
         self.key_is = and_(
             c.consumer == bindparam("b_consumer"), c.message_id == bindparam("b_message_id")
         )
-        self.get_stmt: Select[Any] = select(*self.columns).where(self.key_is)
+        self.get_stmt = self.driver(select(*self.columns).where(self.key_is))
         # Every consumer's record of one id through the primary key, not a scan of the table:
         # a recursive CTE walks the distinct consumers (each step one index probe: the next
         # consumer after the last), then each (consumer, id) is one key lookup.
@@ -306,24 +316,22 @@ class SqlPlans(ABC):
             .order_by(c.created_time)
             .limit(bindparam("b_limit"))
         )
-        # The rows claim_many inserted or lost to, read in one statement.
-        self.batch_stmt = select(*self.columns).where(
-            c.consumer == bindparam("b_consumer"),
-            c.message_id.in_(bindparam("b_message_ids", expanding=True)),
-        )
+        self.batch_stmt = self.driver(self.batch_read())
         # The result written only to the row this transaction claimed: a twin's committed row
         # carries another owner, so finding it is never mistaken for holding ours.
-        self.confirm_stmt = (
+        self.confirm_stmt = self.driver(
             update(table).where(self.key_is, owner_is).values(result=bindparam("b_result"))
         )
         # A batch's rows, proven in one statement: each owner token is random and drawn for one
         # message, so an (id, owner) pair across two messages can never match.
-        self.confirm_many_stmt = select(func.count()).where(
-            c.consumer == bindparam("b_consumer"),
-            c.message_id.in_(bindparam("b_message_ids", expanding=True)),
-            c.owner.in_(bindparam("b_owners", expanding=True)),
+        self.confirm_many_stmt = self.driver(
+            select(func.count()).where(
+                c.consumer == bindparam("b_consumer"),
+                c.message_id.in_(bindparam("b_message_ids", expanding=True)),
+                c.owner.in_(bindparam("b_owners", expanding=True)),
+            )
         )
-        self.complete_stmt = (
+        self.complete_stmt = self.driver(
             update(table)
             .where(self.key_is, processing, owner_is)
             .values(
@@ -333,27 +341,31 @@ class SqlPlans(ABC):
                 lease_until_ms=null(),
             )
         )
-        self.release_stmt = delete(table).where(self.key_is, processing, owner_is)
-        self.release_in_stmt = delete(table).where(self.key_is, owner_is)
+        self.release_stmt = self.driver(delete(table).where(self.key_is, processing, owner_is))
+        self.release_in_stmt = self.driver(delete(table).where(self.key_is, owner_is))
         self.force_release_stmt = delete(table).where(self.key_is, processing)
         # An expired record, deleted only while it still is one: a racing claim that already
         # replaced it with a fresh record (or a new claim) leaves nothing here to delete.
-        self.expire_stmt = delete(table).where(
-            self.key_is,
-            c.status == constant(PROCESSED),
-            c.processed_time < bindparam("b_cutoff", type_=UtcDateTime()),
+        self.expire_stmt = self.driver(
+            delete(table).where(
+                self.key_is,
+                c.status == constant(PROCESSED),
+                c.processed_time < bindparam("b_cutoff", type_=UtcDateTime()),
+            )
         )
-        self.renew_stmt = (
+        self.renew_stmt = self.driver(
             update(table)
             .where(self.key_is, processing, owner_is)
             .values(lease_until_ms=clock.lease_until())
         )
         # A processed record or an expired claim; a live lease only by forget_any_stmt.
-        self.forget_stmt = delete(table).where(
-            self.key_is,
-            or_(c.status == constant(PROCESSED), c.lease_until_ms <= clock.now_ms()),
+        self.forget_stmt = self.driver(
+            delete(table).where(
+                self.key_is,
+                or_(c.status == constant(PROCESSED), c.lease_until_ms <= clock.now_ms()),
+            )
         )
-        self.forget_any_stmt = delete(table).where(self.key_is)
+        self.forget_any_stmt = self.driver(delete(table).where(self.key_is))
         self.purge_stmt: Any = delete(table).where(
             tuple_(c.consumer, c.message_id).in_(
                 select(c.consumer, c.message_id)
@@ -375,7 +387,19 @@ class SqlPlans(ABC):
             func.min(c.processed_time).label("oldest_processed"),
         )
         # Built on first use per batch size: one multi-row INSERT per size seen.
-        self._insert_many: dict[tuple[bool, int], Insert] = {}
+        self._insert_many: dict[tuple[bool, int], DriverStatement] = {}
+
+    def driver(self, statement: Any) -> DriverStatement:
+        """``statement``, run for every message, compiled once for this store's dialect."""
+        return DriverStatement(statement, self.dialect)
+
+    def batch_read(self) -> Select[Any]:
+        """The rows ``claim_many`` inserted or lost to, read in one statement."""
+        c = self.table.c
+        return select(*self.columns).where(
+            c.consumer == bindparam("b_consumer"),
+            c.message_id.in_(bindparam("b_message_ids", expanding=True)),
+        )
 
     # -- what a dialect supplies -------------------------------------------------------------
 
@@ -480,11 +504,12 @@ class SqlPlans(ABC):
             return False
         return self.clock.on_server or record.lease_expired(request.now_ms)
 
-    def _insert_rows(self, transactional: bool, count: int) -> Insert:
+    def _insert_rows(self, transactional: bool, count: int) -> DriverStatement:
         statement = self._insert_many.get((transactional, count))
         if statement is None:
             rows = [new_row(transactional, str(i), self.clock) for i in range(count)]
-            statement = self._insert_many[transactional, count] = self.insert_ignore(rows)
+            statement = self.driver(self.insert_ignore(rows))
+            self._insert_many[transactional, count] = statement
         return statement
 
     # -- the other primitives ----------------------------------------------------------------
