@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import idemq
 from idemq.guard import flow as steps
 from idemq.guard.cache import CompletedCache
 from idemq.guard.core import Policy, Status
@@ -123,3 +124,32 @@ def test_the_handler_sees_its_leases_fence_and_no_fence_in_a_transaction(mode, s
     context = run.context
     assert (context.consumer, context.message_id, context.owner) == ("c", "m1", request.owner)
     assert context.fence == seen
+
+
+def test_a_claim_that_keeps_conflicting_is_that_messages_in_progress():
+    policy = Policy.build(consumer="c", mode="lease", lease_s=30.0, clock=Clock())
+    flow = message_flow(policy, policy.request("m1"), None)
+    next(flow)
+    with pytest.raises(StopIteration) as stop:
+        flow.throw(idemq.StoreConflictError("deadlock, again and again"))
+    outcome = stop.value.value
+    assert (outcome.status, outcome.message_id) == (Status.IN_PROGRESS, "m1")
+
+
+def test_a_one_millisecond_wait_still_waits():
+    flow, _ = waiting(Clock(), wait_s=0.001)
+    pause = flow.send(live_claim())
+    assert isinstance(pause, steps.Pause)
+    assert pause.seconds == 0.001
+
+
+def test_a_waiter_that_asks_the_store_late_waits_only_for_the_rest_of_its_wait():
+    # The async guard's in-flight waiter, left without a result, goes to the store with the
+    # deadline of its first request: its whole wait stays wait_s, not wait_s more.
+    clock = Clock()
+    policy = Policy.build(consumer="c", mode="lease", lease_s=30.0, clock=clock, wait_s=60.0)
+    flow = message_flow(policy, policy.request("m1"), None, wait_until_ms=START_MS + 3)
+    next(flow)
+    pause = flow.send(live_claim())
+    assert isinstance(pause, steps.Pause)
+    assert pause.seconds == 0.003
