@@ -153,3 +153,25 @@ def test_a_waiter_that_asks_the_store_late_waits_only_for_the_rest_of_its_wait()
     pause = flow.send(live_claim())
     assert isinstance(pause, steps.Pause)
     assert pause.seconds == 0.003
+
+
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_a_processed_outcome_names_its_message(mode):
+    policy = Policy.build(consumer="c", mode=mode, lease_s=30.0, clock=Clock())
+    flow = message_flow(policy, policy.request("m1"), None)
+    next(flow)
+    flow.send(Claim.won())
+    flow.send((True, "paid"))  # the handler's reply; next: complete or confirm
+    with pytest.raises(StopIteration) as stop:
+        flow.send(None)
+    outcome = stop.value.value
+    assert (outcome.status, outcome.message_id, outcome.result) == (Status.PROCESSED, "m1", "paid")
+
+
+# Mutants of flow.py left alive, each equivalent (mutmut names; `mutmut show NAME` for the diff):
+# - HandlerFailureIn.call__mutmut_1 (tx → None): every store judges the handler's error alone.
+# - ConfirmIn.call__mutmut_5, _10 (deferred → None / False): a batch proves each row at once
+#   instead of in ConfirmManyIn's one read; the same rows commit, one statement more each.
+# - message_flow__mutmut_32 (`and` → `or` before wait_ms), _36 (wait_ms >= 0), _47 (claim →
+#   None): the wait loop runs only while IN_PROGRESS, a zero wait's deadline has passed, and a
+#   loop that never claims again returns its first judgement, never the claim.
