@@ -168,6 +168,27 @@ def test_a_processed_outcome_names_its_message(mode):
     assert (outcome.status, outcome.message_id, outcome.result) == (Status.PROCESSED, "m1", "paid")
 
 
+@pytest.mark.parametrize(
+    ("mode", "renew", "renewed"),
+    [("lease", True, True), ("lease", False, False), ("transactional", True, False)],
+)
+def test_only_a_renewing_lease_is_kept_alive_while_the_handler_runs(mode, renew, renewed):
+    # A transactional row holds no lease: "renewing" it would find none and report it lost.
+    policy = Policy.build(consumer="c", mode=mode, lease_s=30.0, clock=Clock(), renew=renew)
+    request = policy.request("m1")
+    flow = message_flow(policy, request, None)
+    next(flow)
+    run = flow.send(Claim.won())
+    assert isinstance(run, steps.RunHandler)
+    assert (run.lease is not None) is renewed
+    if renewed:
+        assert (run.lease.key, run.lease.owner, run.lease.lease_ms) == (
+            request.key,
+            request.owner,
+            30_000,
+        )
+
+
 # Mutants of flow.py left alive, each equivalent (mutmut names; `mutmut show NAME` for the diff):
 # - HandlerFailureIn.call__mutmut_1 (tx → None): every store judges the handler's error alone.
 # - ConfirmIn.call__mutmut_5, _10 (deferred → None / False): a batch proves each row at once
