@@ -48,7 +48,7 @@ def test_a_failed_release_is_noted_on_the_batch_handlers_error():
     with pytest.raises(StopIteration) as stop:
         flow.throw(idemq.StoreUnavailableError("redis down"))
     [outcome] = stop.value.value
-    assert (outcome.status, outcome.error) == (Status.FAILED, boom)
+    assert (outcome.status, outcome.message_id, outcome.error) == (Status.FAILED, "m1", boom)
     assert any("releasing the claim failed too" in note for note in boom.__notes__)
 
 
@@ -57,3 +57,5 @@ def test_a_failed_release_is_noted_on_the_batch_handlers_error():
 #   once instead of in ConfirmManyIn's one read; the same rows commit, one statement more each.
 # - HandlerFailedError.__init____mutmut_1 to _4 (the Exception's args): the error is the
 #   optimistic pass's signal to BatchPasses, which reads .index and .error; it never escapes.
+# - _LeaseHolds.__init____mutmut_1 (terms → None): without renewal `after` answers () for an
+#   empty or a None tuple alike; with it, terms is set again before use.
