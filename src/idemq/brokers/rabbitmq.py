@@ -47,7 +47,7 @@ from urllib.parse import unquote, urlsplit
 import aio_pika
 import aiormq
 import aiormq.abc
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from pamqp import frame, header
 
 from idemq.brokers._aioloop import Inbox, LoopBroker
@@ -342,7 +342,7 @@ class RabbitMQBroker(LoopBroker):
         """Push-consume ``queue`` with ``prefetch`` unacked messages at most."""
         inbox: Inbox[Delivery] = Inbox(on_dry=self._settler.flush)
 
-        async def start() -> tuple[AbstractChannel, aio_pika.abc.AbstractQueue, str]:
+        async def start() -> tuple[AbstractChannel, aiormq.abc.AbstractChannel, str]:
             if not self._connection.connected.is_set():
                 # The robust connection is reconnecting: opening a channel would wait for it
                 # (past the worker's --give-up-after and its SIGTERM). Fail this attempt now;
@@ -350,22 +350,28 @@ class RabbitMQBroker(LoopBroker):
                 raise BrokerUnavailableError(f"RabbitMQ: not connected to {mask_url(self.url)}")
             channel = await self._connection.channel()
             await channel.set_qos(prefetch_count=prefetch)
-            declared = await self._declare(channel, queue)
+            await self._declare(channel, queue)
+            # aiormq's channel under aio-pika's, consumed on directly: a delivery is aiormq's
+            # DeliveredMessage as read off the wire, settled by its delivery tag, without an
+            # aio-pika IncomingMessage (and its lock and callbacks) per message.
+            amqp = await channel.get_underlay_channel()
 
-            async def on_message(message: AbstractIncomingMessage) -> None:
+            async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
                 inbox.put(self._delivery(queue, message, inbox))
 
-            tag = await declared.consume(on_message)
-            return channel, declared, tag
+            consume_ok = await amqp.basic_consume(queue, on_message)
+            return channel, amqp, consume_ok.consumer_tag or ""
 
-        channel, declared, tag = self._call(start())
+        channel, amqp, tag = self._call(start())
         lost = False
         try:
             for delivery in inbox.drain():
                 # The robust connection reconnects by itself and says nothing: without this
                 # check a running worker idled through an outage of any length, with no log
-                # line and no --give-up-after.
-                if not self._connection.connected.is_set() or channel.is_closed:
+                # line and no --give-up-after. The aiormq channel is the one consumed on: a
+                # channel RabbitMQ closed (a late ack after its consumer_timeout) is reopened
+                # by aio-pika without this consumer, so it counts as lost too.
+                if not self._connection.connected.is_set() or amqp.is_closed:
                     lost = True
                     raise BrokerUnavailableError(
                         f"RabbitMQ: the connection to {mask_url(self.url)} was lost"
@@ -375,8 +381,7 @@ class RabbitMQBroker(LoopBroker):
             inbox.closed.set()
             self._settler.flush()  # acks held for the deliveries this consumer still had
             if lost:
-                # Closed, not cancelled: the robust connection would restore this channel's
-                # consumer on reconnect, feeding an inbox nobody reads while its messages sit
+                # Closed, not cancelled: a consumer nobody reads must not keep its messages
                 # unacked. Bounded: the connection is down, nothing may answer.
                 with contextlib.suppress(BrokerUnavailableError, *_DRIVER_ERRORS):
                     self._loop.run(channel.close(), _CLOSE_WHEN_LOST_S)
@@ -384,14 +389,15 @@ class RabbitMQBroker(LoopBroker):
                 # Stop receiving only; in-flight deliveries are settled on this channel, which
                 # close() shuts (RabbitMQ then requeues whatever is still unacked).
                 with contextlib.suppress(BrokerUnavailableError):
-                    self._call(declared.cancel(tag))
+                    self._call(amqp.basic_cancel(tag))
 
     def _delivery(
-        self, queue: str, message: AbstractIncomingMessage, inbox: Inbox[Delivery]
+        self, queue: str, message: aiormq.abc.DeliveredMessage, inbox: Inbox[Delivery]
     ) -> RabbitMQDelivery:
+        properties = message.header.properties
         headers: dict[str, str] = {}
         undecodable: list[str] = []
-        for key, value in (message.headers or {}).items():
+        for key, value in (properties.headers or {}).items():
             headers[key], is_text = header_text(value)
             if not is_text:
                 undecodable.append(key)
@@ -399,7 +405,7 @@ class RabbitMQBroker(LoopBroker):
             queue,
             message.body,
             headers,
-            broker_message_id=message.message_id,
+            broker_message_id=properties.message_id,
             undecodable=undecodable,
         )
         return RabbitMQDelivery(self, received, message, inbox)
@@ -446,13 +452,13 @@ class RabbitMQBroker(LoopBroker):
 
 
 class RabbitMQDelivery(Delivery):
-    """An AMQP delivery on a consumer channel."""
+    """An AMQP delivery on a consumer channel, settled by its delivery tag on that channel."""
 
     def __init__(
         self,
         broker: RabbitMQBroker,
         received: Received,
-        message: AbstractIncomingMessage,
+        message: aiormq.abc.DeliveredMessage,
         inbox: Inbox[Delivery],
     ) -> None:
         super().__init__(received)
@@ -464,13 +470,14 @@ class RabbitMQDelivery(Delivery):
         """The headers as the producer sent them, their AMQP types kept (bytes that are not
         UTF-8 included), without the broker's delivery count and idemq's attempt bookkeeping:
         what a copy of this message carries on."""
-        raw = {key: _amqp_value(value) for key, value in (self._message.headers or {}).items()}
+        headers = self._message.header.properties.headers or {}
+        raw = {key: _amqp_value(value) for key, value in headers.items()}
         for name in ("x-delivery-count", ATTEMPT_HEADER, NOT_BEFORE_HEADER):
             raw.pop(name, None)
         return raw
 
     def _ack(self) -> Future[None]:
-        return self._broker.settle_soon(self._message.ack, hold=self._inbox.backlog())
+        return self._broker.settle_soon(self._send_ack, hold=self._inbox.backlog())
 
     def _retry(self, delay_s: float, counted: bool) -> Future[None] | None:
         action = self._next_attempt if counted else self._requeue
@@ -479,8 +486,22 @@ class RabbitMQDelivery(Delivery):
         self._broker.settle_later(delay_s, action)
         return None
 
+    # ``wait=False``: the frame is queued for aiormq's writer, not waited for one by one (a
+    # settler batch of 100 acks would otherwise take 100 turns of the loop). AMQP answers no
+    # ack or nack; a frame a dropped connection loses leaves the message unacked, and RabbitMQ
+    # redelivers it. A channel already closed still raises here, at once.
+
+    async def _send_ack(self) -> None:
+        await self._message.channel.basic_ack(self._tag(), wait=False)
+
     async def _requeue(self) -> None:
-        await self._message.nack(requeue=True)
+        await self._message.channel.basic_nack(self._tag(), requeue=True, wait=False)
+
+    def _tag(self) -> int:
+        """The delivery tag (a consumer's deliveries always carry one)."""
+        tag = self._message.delivery_tag
+        assert tag is not None
+        return tag
 
     async def _next_attempt(self) -> None:
         """The copy carrying the next attempt number (confirmed), then the original's ack."""
@@ -492,9 +513,9 @@ class RabbitMQDelivery(Delivery):
         except Exception:
             # Not lost: the original goes back as it is (this attempt number, tried again).
             log.exception("re-publishing %s for its next attempt failed; requeued", self.describe())
-            await self._message.nack(requeue=True)
+            await self._requeue()
             return
-        await self._message.ack()
+        await self._send_ack()
 
     def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
         # The producer's headers with their AMQP types, not their text forms.
