@@ -89,7 +89,8 @@ class AckQueue:
     :meth:`submit` does not wait: the action is appended to a list and the loop is woken only by
     the first one of a burst, so a batch of 100 acks costs one wake-up. On the loop one sender
     takes everything queued, runs each action in order, then ``confirm()`` once if given (NATS:
-    a PING/PONG proving the server received every ack written before it), completes each
+    a PING/PONG proving the server received every ack written before it; RabbitMQ: the acks its
+    actions marked, sent in as few frames as the protocol allows), completes each
     action's future — with a :class:`~idemq.errors.BrokerError` if it (or the confirm) failed —
     and starts over with what was queued meanwhile.
 

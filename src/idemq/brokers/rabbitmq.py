@@ -176,7 +176,9 @@ class _Acks:
     a delayed retry, or still with the worker). ``multiple`` never reaches a delivery in flight:
     every delivery of the channel is recorded here on arrival, in tag order, until it is settled.
     One frame (and one write) per batch instead of one per message, on the client and on
-    RabbitMQ alike.
+    RabbitMQ alike. Frames go with ``wait=False``: queued for aiormq's writer, not waited for
+    one by one (AMQP answers no ack or nack; a frame a dropped connection loses leaves its
+    message unacked, and RabbitMQ redelivers it).
     """
 
     def __init__(self, channel: aiormq.abc.AbstractChannel) -> None:
@@ -197,7 +199,6 @@ class _Acks:
         self._unsettled.pop(tag, None)
 
     async def requeue(self, tag: int) -> None:
-        # wait=False: queued for aiormq's writer, not waited for (AMQP answers no nack).
         await self.channel.basic_nack(tag, requeue=True, wait=False)
         self._unsettled.pop(tag, None)
 
@@ -552,7 +553,7 @@ class RabbitMQDelivery(Delivery):
         super().__init__(received)
         self._broker = broker
         self._message = message
-        self.tag = tag
+        self._tag = tag
         self._inbox = inbox
         self._acks = acks
 
@@ -570,7 +571,7 @@ class RabbitMQDelivery(Delivery):
         return self._broker.settle_soon(self._mark_ack, hold=self._inbox.backlog())
 
     async def _mark_ack(self) -> None:
-        self._acks.mark(self.tag)  # sent by the settler's confirm step, with its batch
+        self._acks.mark(self._tag)  # sent by the settler's confirm step, with its batch
 
     def _retry(self, delay_s: float, counted: bool) -> Future[None] | None:
         action = self._next_attempt if counted else self._requeue
@@ -580,7 +581,7 @@ class RabbitMQDelivery(Delivery):
         return None
 
     async def _requeue(self) -> None:
-        await self._acks.requeue(self.tag)
+        await self._acks.requeue(self._tag)
 
     async def _next_attempt(self) -> None:
         """The copy carrying the next attempt number (confirmed), then the original's ack."""
@@ -594,7 +595,7 @@ class RabbitMQDelivery(Delivery):
             log.exception("re-publishing %s for its next attempt failed; requeued", self.describe())
             await self._requeue()
             return
-        await self._acks.ack_now(self.tag)
+        await self._acks.ack_now(self._tag)
 
     def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
         # The producer's headers with their AMQP types, not their text forms.
