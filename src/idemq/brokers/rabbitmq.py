@@ -416,12 +416,23 @@ class RabbitMQBroker(LoopBroker):
             amqp = await channel.get_underlay_channel()
             acks = _Acks(amqp)
 
+            # aiormq runs each delivery's callback as a task of its own; those of one read off
+            # the socket run in the same turn of the loop and reach the worker as one burst.
+            burst: list[Delivery] = []
+
+            def hand_over() -> None:
+                nonlocal burst
+                inbox.put(burst)
+                burst = []
+
             async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
                 tag = message.delivery_tag
                 if tag is None:  # aiormq's type also covers returns and gets; never a deliver
                     raise BrokerError(f"RabbitMQ: a delivery without a tag on {queue!r}")
                 acks.delivered(tag)
-                inbox.put(self._delivery(queue, message, tag, inbox, acks))
+                if not burst:
+                    asyncio.get_running_loop().call_soon(hand_over)
+                burst.append(self._delivery(queue, message, tag, inbox, acks))
 
             consume_ok = await amqp.basic_consume(queue, on_message)
             self._acks.add(acks)
