@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -89,7 +90,8 @@ class AckQueue:
     :meth:`submit` does not wait: the action is appended to a list and the loop is woken only by
     the first one of a burst, so a batch of 100 acks costs one wake-up. On the loop one sender
     takes everything queued, runs each action in order, then ``confirm()`` once if given (NATS:
-    a PING/PONG proving the server received every ack written before it), completes each
+    a PING/PONG proving the server received every ack written before it; RabbitMQ: the acks its
+    actions marked, sent in as few frames as the protocol allows), completes each
     action's future — with a :class:`~idemq.errors.BrokerError` if it (or the confirm) failed —
     and starts over with what was queued meanwhile.
 
@@ -298,36 +300,45 @@ def _fail(futures: list[Future[None]], error: BrokerError) -> None:
 
 
 class Inbox(Generic[T]):
-    """Deliveries handed from the loop thread to the worker's thread.
+    """Deliveries handed from the loop thread to the worker's thread, a burst at a time.
 
-    ``on_dry`` runs whenever the worker is about to wait for a delivery (none is waiting) and on
-    every idle tick: the adapter flushes its held settlements there.
+    The loop thread puts a list (what arrived in one turn of the loop): one lock and at most one
+    wake-up of the worker per burst, not per delivery. ``on_dry`` runs whenever the worker is
+    about to wait for a delivery (none is waiting) and on every idle tick: the adapter flushes
+    its held settlements there.
     """
 
     def __init__(self, idle_s: float = 0.2, on_dry: Callable[[], None] | None = None) -> None:
-        self._queue: queue.Queue[T] = queue.Queue()
+        self._queue: queue.Queue[list[T]] = queue.Queue()
+        self._burst: deque[T] = deque()  # the burst being handed out (worker thread only)
         self.idle_s = idle_s
         self.closed = threading.Event()
         self._on_dry = on_dry or (lambda: None)
 
-    def put(self, item: T) -> None:
-        self._queue.put(item)
+    def put(self, items: list[T]) -> None:
+        """Hand ``items`` over (the caller does not touch the list afterwards)."""
+        self._queue.put(items)
 
     def backlog(self) -> bool:
-        """True when deliveries are waiting: the worker will be back for them soon."""
-        return not self._queue.empty()
+        """True when deliveries are waiting: the worker will be back for them soon (ask from
+        the worker's thread)."""
+        return bool(self._burst) or not self._queue.empty()
 
     def drain(self) -> Iterator[T | None]:
         """Items as they come; ``None`` after ``idle_s`` without one; ends when closed."""
         get = self._queue.get
+        burst = self._burst
         while not self.closed.is_set():
+            if burst:
+                yield burst.popleft()
+                continue
             try:
-                yield get(block=False)
+                burst.extend(get(block=False))
                 continue
             except queue.Empty:
                 self._on_dry()
             try:
-                yield get(timeout=self.idle_s)
+                burst.extend(get(timeout=self.idle_s))
             except queue.Empty:
                 self._on_dry()
                 yield None

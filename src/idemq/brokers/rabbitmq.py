@@ -25,13 +25,18 @@
   handler run, publish a copy with ``idemq-delivery-attempt`` + 1 (confirmed) and ack the
   original — a crash in between leaves two copies, which the guard absorbs, never none. If the
   connection drops first, RabbitMQ requeues the original anyway.
+* Consuming happens on aiormq's channel under aio-pika's (``get_underlay_channel``): a delivery
+  is aiormq's ``DeliveredMessage``, settled by its delivery tag, with no aio-pika
+  ``IncomingMessage`` per message.
 * Acks (and immediate nacks) are queued to the loop thread (:class:`~._aioloop.AckQueue`) rather
   than waited for one by one; AMQP has no reply to an ack anyway (the frame is written, that is
   all a client ever knows). While prefetched deliveries wait in the consumer's inbox, acks are
   held and go out together when it runs dry (or every 100, or 50 ms after the oldest), so
-  the loop thread wakes once per burst, not once per message. ``close()`` sends what is queued
-  before closing the connection. Not ``basic.ack multiple``: it would also ack the channel's
-  earlier deliveries still in flight.
+  the loop thread wakes once per burst, not once per message. A burst's acks leave as one
+  ``basic.ack multiple`` up to the last delivery that nothing unsettled precedes, and one plain
+  ``basic.ack`` each for those behind an unsettled one (:class:`_Acks`): ``multiple`` never
+  acks a delivery still in flight. ``close()`` sends what is queued before closing the
+  connection.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from urllib.parse import unquote, urlsplit
 import aio_pika
 import aiormq
 import aiormq.abc
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from pamqp import frame, header
 
 from idemq.brokers._aioloop import Inbox, LoopBroker
@@ -161,6 +166,56 @@ def _amqp_value(value: Any) -> Any:
     return value
 
 
+class _Acks:
+    """The acks of one consumer channel, sent in as few frames as AMQP allows (loop thread only).
+
+    A queued ack is only marked here; the settler's confirm step (:meth:`RabbitMQBroker.send_acks`,
+    once per batch, before the batch's futures complete) sends them: one ``basic.ack multiple``
+    up to the last tag of the run of marked deliveries that nothing unsettled precedes, then one
+    plain ``basic.ack`` for each marked delivery behind an unsettled one (a delivery waiting for
+    a delayed retry, or still with the worker). ``multiple`` never reaches a delivery in flight:
+    every delivery of the channel is recorded here on arrival, in tag order, until it is settled.
+    One frame (and one write) per batch instead of one per message, on the client and on
+    RabbitMQ alike. Frames go with ``wait=False``: queued for aiormq's writer, not waited for
+    one by one (AMQP answers no ack or nack; a frame a dropped connection loses leaves its
+    message unacked, and RabbitMQ redelivers it).
+    """
+
+    def __init__(self, channel: aiormq.abc.AbstractChannel) -> None:
+        self.channel = channel
+        self._unsettled: dict[int, bool] = {}  # delivery tag → marked for ack, in delivery order
+
+    def delivered(self, tag: int) -> None:
+        self._unsettled[tag] = False
+
+    def mark(self, tag: int) -> None:
+        """Ack ``tag`` with the next :meth:`send`; raises at once on a closed channel."""
+        if self.channel.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{self.channel!r} closed")
+        self._unsettled[tag] = True
+
+    async def ack_now(self, tag: int) -> None:
+        await self.channel.basic_ack(tag)
+        self._unsettled.pop(tag, None)
+
+    async def requeue(self, tag: int) -> None:
+        await self.channel.basic_nack(tag, requeue=True, wait=False)
+        self._unsettled.pop(tag, None)
+
+    async def send(self) -> None:
+        marked = [tag for tag, ack in self._unsettled.items() if ack]
+        if not marked:
+            return
+        first_open = next((tag for tag, ack in self._unsettled.items() if not ack), None)
+        covered = [tag for tag in marked if first_open is None or tag < first_open]
+        for tag in marked:
+            del self._unsettled[tag]
+        if covered:
+            await self.channel.basic_ack(covered[-1], multiple=len(covered) > 1, wait=False)
+        for tag in marked[len(covered) :]:
+            await self.channel.basic_ack(tag, wait=False)
+
+
 class RabbitMQBroker(LoopBroker):
     """One robust connection; a confirming channel for publishes, one channel per consumer."""
 
@@ -179,8 +234,12 @@ class RabbitMQBroker(LoopBroker):
         self.confirm_timeout_s = confirm_timeout_s
         self.declare_mode = check_declare_mode(declare)
         self.dead_letter = dead_letter
+        self._acks: set[_Acks] = set()  # the live consumers' (touched on the loop thread only)
         super().__init__(
-            "RabbitMQ", driver_errors=_DRIVER_ERRORS, call_timeout_s=confirm_timeout_s + 5
+            "RabbitMQ",
+            driver_errors=_DRIVER_ERRORS,
+            call_timeout_s=confirm_timeout_s + 5,
+            confirm=self.send_acks,
         )
         try:
             self._connection, self._channel = self._call(self._connect())
@@ -342,7 +401,7 @@ class RabbitMQBroker(LoopBroker):
         """Push-consume ``queue`` with ``prefetch`` unacked messages at most."""
         inbox: Inbox[Delivery] = Inbox(on_dry=self._settler.flush)
 
-        async def start() -> tuple[AbstractChannel, aio_pika.abc.AbstractQueue, str]:
+        async def start() -> tuple[AbstractChannel, _Acks, str]:
             if not self._connection.connected.is_set():
                 # The robust connection is reconnecting: opening a channel would wait for it
                 # (past the worker's --give-up-after and its SIGTERM). Fail this attempt now;
@@ -350,22 +409,46 @@ class RabbitMQBroker(LoopBroker):
                 raise BrokerUnavailableError(f"RabbitMQ: not connected to {mask_url(self.url)}")
             channel = await self._connection.channel()
             await channel.set_qos(prefetch_count=prefetch)
-            declared = await self._declare(channel, queue)
+            await self._declare(channel, queue)
+            # aiormq's channel under aio-pika's, consumed on directly: a delivery is aiormq's
+            # DeliveredMessage as read off the wire, settled by its delivery tag, without an
+            # aio-pika IncomingMessage (and its lock and callbacks) per message.
+            amqp = await channel.get_underlay_channel()
+            acks = _Acks(amqp)
 
-            async def on_message(message: AbstractIncomingMessage) -> None:
-                inbox.put(self._delivery(queue, message, inbox))
+            # aiormq runs each delivery's callback as a task of its own; those of one read off
+            # the socket run in the same turn of the loop and reach the worker as one burst.
+            burst: list[Delivery] = []
 
-            tag = await declared.consume(on_message)
-            return channel, declared, tag
+            def hand_over() -> None:
+                nonlocal burst
+                inbox.put(burst)
+                burst = []
 
-        channel, declared, tag = self._call(start())
+            async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
+                tag = message.delivery_tag
+                if tag is None:  # aiormq's type also covers returns and gets; never a deliver
+                    raise BrokerError(f"RabbitMQ: a delivery without a tag on {queue!r}")
+                acks.delivered(tag)
+                if not burst:
+                    asyncio.get_running_loop().call_soon(hand_over)
+                burst.append(self._delivery(queue, message, tag, inbox, acks))
+
+            consume_ok = await amqp.basic_consume(queue, on_message)
+            self._acks.add(acks)
+            return channel, acks, consume_ok.consumer_tag or ""
+
+        channel, acks, tag = self._call(start())
+        amqp = acks.channel
         lost = False
         try:
             for delivery in inbox.drain():
                 # The robust connection reconnects by itself and says nothing: without this
                 # check a running worker idled through an outage of any length, with no log
-                # line and no --give-up-after.
-                if not self._connection.connected.is_set() or channel.is_closed:
+                # line and no --give-up-after. The aiormq channel is the one consumed on: a
+                # channel RabbitMQ closed (a late ack after its consumer_timeout) is reopened
+                # by aio-pika without this consumer, so it counts as lost too.
+                if not self._connection.connected.is_set() or amqp.is_closed:
                     lost = True
                     raise BrokerUnavailableError(
                         f"RabbitMQ: the connection to {mask_url(self.url)} was lost"
@@ -375,8 +458,7 @@ class RabbitMQBroker(LoopBroker):
             inbox.closed.set()
             self._settler.flush()  # acks held for the deliveries this consumer still had
             if lost:
-                # Closed, not cancelled: the robust connection would restore this channel's
-                # consumer on reconnect, feeding an inbox nobody reads while its messages sit
+                # Closed, not cancelled: a consumer nobody reads must not keep its messages
                 # unacked. Bounded: the connection is down, nothing may answer.
                 with contextlib.suppress(BrokerUnavailableError, *_DRIVER_ERRORS):
                     self._loop.run(channel.close(), _CLOSE_WHEN_LOST_S)
@@ -384,14 +466,20 @@ class RabbitMQBroker(LoopBroker):
                 # Stop receiving only; in-flight deliveries are settled on this channel, which
                 # close() shuts (RabbitMQ then requeues whatever is still unacked).
                 with contextlib.suppress(BrokerUnavailableError):
-                    self._call(declared.cancel(tag))
+                    self._call(amqp.basic_cancel(tag))
 
     def _delivery(
-        self, queue: str, message: AbstractIncomingMessage, inbox: Inbox[Delivery]
+        self,
+        queue: str,
+        message: aiormq.abc.DeliveredMessage,
+        tag: int,
+        inbox: Inbox[Delivery],
+        acks: _Acks,
     ) -> RabbitMQDelivery:
+        properties = message.header.properties
         headers: dict[str, str] = {}
         undecodable: list[str] = []
-        for key, value in (message.headers or {}).items():
+        for key, value in (properties.headers or {}).items():
             headers[key], is_text = header_text(value)
             if not is_text:
                 undecodable.append(key)
@@ -399,10 +487,10 @@ class RabbitMQBroker(LoopBroker):
             queue,
             message.body,
             headers,
-            broker_message_id=message.message_id,
+            broker_message_id=properties.message_id,
             undecodable=undecodable,
         )
-        return RabbitMQDelivery(self, received, message, inbox)
+        return RabbitMQDelivery(self, received, message, tag, inbox=inbox, acks=acks)
 
     def close(self) -> None:
         """Send the queued acks, close the connection (unacked messages go back to their
@@ -421,6 +509,21 @@ class RabbitMQBroker(LoopBroker):
             self._loop.stop()
 
     # used by RabbitMQDelivery -----------------------------------------------------------------
+
+    async def send_acks(self) -> None:
+        """The settler's confirm step: send the acks its batch marked, every consumer's (a
+        channel that failed does not keep the others' acks back; its error is raised after).
+        A closed channel's consumer is forgotten here: nothing can be acked on it any more."""
+        failed: Exception | None = None
+        for acks in list(self._acks):
+            try:
+                await acks.send()
+            except Exception as exc:
+                failed = exc
+            if acks.channel.is_closed:
+                self._acks.discard(acks)
+        if failed is not None:
+            raise failed
 
     async def publish_copy(
         self, routing_key: str, body: bytes, headers: Mapping[str, Any], message_id: str | None
@@ -446,31 +549,40 @@ class RabbitMQBroker(LoopBroker):
 
 
 class RabbitMQDelivery(Delivery):
-    """An AMQP delivery on a consumer channel."""
+    """An AMQP delivery on a consumer channel, settled by its delivery tag on that channel."""
 
     def __init__(
         self,
         broker: RabbitMQBroker,
         received: Received,
-        message: AbstractIncomingMessage,
+        message: aiormq.abc.DeliveredMessage,
+        tag: int,
+        *,
         inbox: Inbox[Delivery],
+        acks: _Acks,
     ) -> None:
         super().__init__(received)
         self._broker = broker
         self._message = message
+        self._tag = tag
         self._inbox = inbox
+        self._acks = acks
 
     def _original_headers(self) -> dict[str, Any]:
         """The headers as the producer sent them, their AMQP types kept (bytes that are not
         UTF-8 included), without the broker's delivery count and idemq's attempt bookkeeping:
         what a copy of this message carries on."""
-        raw = {key: _amqp_value(value) for key, value in (self._message.headers or {}).items()}
+        headers = self._message.header.properties.headers or {}
+        raw = {key: _amqp_value(value) for key, value in headers.items()}
         for name in ("x-delivery-count", ATTEMPT_HEADER, NOT_BEFORE_HEADER):
             raw.pop(name, None)
         return raw
 
     def _ack(self) -> Future[None]:
-        return self._broker.settle_soon(self._message.ack, hold=self._inbox.backlog())
+        return self._broker.settle_soon(self._mark_ack, hold=self._inbox.backlog())
+
+    async def _mark_ack(self) -> None:
+        self._acks.mark(self._tag)  # sent by the settler's confirm step, with its batch
 
     def _retry(self, delay_s: float, counted: bool) -> Future[None] | None:
         action = self._next_attempt if counted else self._requeue
@@ -480,7 +592,7 @@ class RabbitMQDelivery(Delivery):
         return None
 
     async def _requeue(self) -> None:
-        await self._message.nack(requeue=True)
+        await self._acks.requeue(self._tag)
 
     async def _next_attempt(self) -> None:
         """The copy carrying the next attempt number (confirmed), then the original's ack."""
@@ -492,9 +604,9 @@ class RabbitMQDelivery(Delivery):
         except Exception:
             # Not lost: the original goes back as it is (this attempt number, tried again).
             log.exception("re-publishing %s for its next attempt failed; requeued", self.describe())
-            await self._message.nack(requeue=True)
+            await self._requeue()
             return
-        await self._message.ack()
+        await self._acks.ack_now(self._tag)
 
     def _copy_to_dead_letter(self, headers: dict[str, str]) -> None:
         # The producer's headers with their AMQP types, not their text forms.

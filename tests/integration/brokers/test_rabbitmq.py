@@ -105,7 +105,7 @@ class TestRabbitMQ(QueuedAckContract):
         broker = open_broker(broker_url)
         try:
             dead = first_delivery(broker.consume(broker.dead_letter_queue(queue)), timeout_s=20)
-            original = dict(dead._message.headers or {})  # type: ignore[attr-defined]
+            original = dict(dead._message.header.properties.headers or {})  # type: ignore[attr-defined]
             dead.ack()
         finally:
             broker.close()
