@@ -187,9 +187,10 @@ def test_five_processes_pool_of_four_distinct_nodes_no_colliding_ids(
 
 def test_a_killed_process_node_is_reused_after_its_ttl(env: LeaseEnv, tmp_path: Path) -> None:
     out = tmp_path / "doomed.txt"
-    # 3 s: the dead process must still hold its node when this test asks, however loaded the
-    # machine is between the kill and the next lease (1 s was not enough on 4 xdist workers).
-    doomed = spawn(env, out, count=10, ttl_s=3.0)
+    # 6 s: the dead process must still hold its node when this test asks, however loaded the
+    # machine is between the kill and the next lease (1 s and then 3 s were not enough on 4
+    # xdist workers at load 16: its last renewal may be a third of a TTL before the kill).
+    doomed = spawn(env, out, count=10, ttl_s=6.0)
     wait_for([out])
     dead_node = out.read_text().split("\n")[0]
     doomed.send_signal(signal.SIGKILL)  # no release: only the TTL can free the node
@@ -199,7 +200,7 @@ def test_a_killed_process_node_is_reused_after_its_ttl(env: LeaseEnv, tmp_path: 
     with env.lease(nodes=["N001", "N002"]) as live:
         assert live.node != dead_node  # still held by the dead process for now
         assert dead_node in env.holders()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 15
         while dead_node in env.holders():
             assert time.monotonic() < deadline
             time.sleep(0.1)

@@ -168,6 +168,13 @@ def test_a_cluster_over_a_unix_socket_is_a_configuration_error() -> None:
         idemq.RedisStore("unix:///tmp/redis.sock?cluster=true")
 
 
+def test_cluster_false_over_a_unix_socket_keeps_the_socket_path() -> None:
+    client = redis_client("unix:///tmp/redis.sock?cluster=false&db=2", redis.Redis)
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["path"], kwargs["db"]) == ("/tmp/redis.sock", 2)
+    client.close()
+
+
 def test_cluster_false_is_a_plain_client() -> None:
     client = redis_client("redis://127.0.0.1:6379/0?cluster=false", redis.Redis)
     assert type(client) is redis.Redis

@@ -36,7 +36,7 @@ import ssl
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar, overload
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio
@@ -349,7 +349,11 @@ def _cluster_url(url: str) -> tuple[str, bool]:
     if len(values) > 1 or values[0] not in _TRUE + _FALSE:
         raise ConfigurationError(f"cluster must be true or false in {mask_url(url)}")
     rest = urlencode([(name, value) for name, value in query if name != "cluster"])
-    return urlunsplit(parts._replace(query=rest)), values[0] in _TRUE
+    # Cut by hand, not urlunsplit: it writes ``unix:///path`` (no host) back as ``unix:/path``,
+    # which redis-py refuses.
+    base = url.partition("?")[0].partition("#")[0]
+    fragment = f"#{parts.fragment}" if parts.fragment else ""
+    return f"{base}?{rest}{fragment}" if rest else f"{base}{fragment}", values[0] in _TRUE
 
 
 @overload
@@ -398,7 +402,7 @@ def redis_client(
         )
     url, cluster = _cluster_url(client_or_url)
     _check_tls_files(url)
-    if cluster and url.lower().startswith("unix://"):
+    if cluster and urlsplit(url).scheme.lower() == "unix":
         raise ConfigurationError(f"a Cluster is reached over TCP: {mask_url(url)}")
     try:
         if cluster:
