@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
 import idemq
-from tests.conftest import unique
+from tests.conftest import server_wide, unique
 
 DEADLOCK = 1213
 DEADLINE_S = 20.0
@@ -31,6 +31,10 @@ DEADLINE_S = 20.0
 
 @pytest.fixture
 def store(mysql_url: str) -> Iterator[idemq.SqlStore]:
+    # These tests stage a deadlock by timing two transactions against each other and watch
+    # InnoDB's lock waits: alone on the server, so other tests' work (under xdist) neither
+    # delays a wait past the deadline nor resolves the staged deadlock another way.
+    server_wide("mysql")
     made = idemq.SqlStore(mysql_url, table=unique("mi"))
     made.create_schema()
     yield made
