@@ -27,13 +27,15 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator
 
+from idemq._backoff import Backoff
+
 __all__ = ["LOCK_SPACE", "lock_pauses", "try_lock_sql"]
 
 LOCK_SPACE = 0x1DE4
 """The first half of the two-int advisory lock key of a key in flight (the outbox's is 0x1DE3)."""
 
-_FIRST_PAUSE_S = 0.01
-_LONGEST_PAUSE_S = 0.25
+# Doubling from 10 ms up to 250 ms, no jitter: the waiter is one request polling one lock.
+_PAUSES = Backoff(first_s=0.01, max_s=0.25)
 
 
 def try_lock_sql(consumer: str, message_id: str) -> str:
@@ -45,16 +47,11 @@ def try_lock_sql(consumer: str, message_id: str) -> str:
 
 
 def lock_pauses(wait_s: float, now: Callable[[], float] = time.monotonic) -> Iterator[float]:
-    """The pauses before each further try of a taken lock, doubling from 10 ms up to 250 ms,
-    until ``wait_s`` (from the first call of ``next``) has passed; none when ``wait_s`` is 0."""
-    deadline: float | None = None
-    pause_s = _FIRST_PAUSE_S
-    while True:
-        current = now()
-        if deadline is None:
-            deadline = current + wait_s
-        left_s = deadline - current
-        if left_s <= 0:
-            return
-        yield min(pause_s, left_s)
-        pause_s = min(pause_s * 2, _LONGEST_PAUSE_S)
+    """The pauses before each further try of a taken lock (idemq's one :class:`Backoff`,
+    10 ms doubling up to 250 ms), until ``wait_s`` (from the first call of ``next``) has
+    passed; none when ``wait_s`` is 0."""
+    deadline = now() + wait_s
+    attempt = 1
+    while (left_s := deadline - now()) > 0:
+        yield min(_PAUSES.delay_s(attempt), left_s)
+        attempt += 1
