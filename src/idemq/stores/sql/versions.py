@@ -51,6 +51,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.schema import CreateTable
 
+from idemq._backoff import Backoff
 from idemq._clock import system_clock_ms
 from idemq.drivers.sql import translated
 from idemq.errors import ConfigurationError, StoreConflictError, StoreError
@@ -81,6 +82,7 @@ MYSQL_LOCK_WAIT_S = 10
 
 #: How long an upgrade waits for another one on the same database to finish before giving up.
 UPGRADE_LOCK_WAIT_S = 600
+_UPGRADE_LOCK_PAUSES = Backoff(first_s=0.05, max_s=1.0)  # between tries of the upgrade lock
 
 
 def build_version_table(metadata: MetaData | None = None, *, schema: str | None = None) -> Table:
@@ -343,7 +345,7 @@ def upgrade_lock(engine: Engine, schema: str | None = None) -> Iterator[None]:
         key = int.from_bytes(hashed[:8], "big", signed=True)
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             deadline = time.monotonic() + UPGRADE_LOCK_WAIT_S
-            pause_s = 0.05
+            attempt = 1
             while not conn.execute(
                 sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": key}
             ).scalar():
@@ -352,8 +354,8 @@ def upgrade_lock(engine: Engine, schema: str | None = None) -> Iterator[None]:
                         f"another schema upgrade of {database!r} still runs after"
                         f" {UPGRADE_LOCK_WAIT_S} s"
                     )
-                time.sleep(pause_s)
-                pause_s = min(pause_s * 2, 1.0)
+                time.sleep(_UPGRADE_LOCK_PAUSES.delay_s(attempt))
+                attempt += 1
             try:
                 yield
             finally:
