@@ -26,7 +26,7 @@ from idemq._backoff import Backoff
 from idemq._clock import system_clock_ms
 from idemq.drivers.sql import (
     Plan,
-    begin,
+    Transactions,
     driver_reports_aborts,
     engine_from_url,
     run,
@@ -343,6 +343,7 @@ class SqlStore(SqlStoreAdmin):
         **engine_kwargs: Any,
     ) -> None:
         self.engine = url if isinstance(url, Engine) else engine_from_url(url, **engine_kwargs)
+        self._transactions = Transactions(self.engine)
         super().__init__(
             self.engine.url,
             table,
@@ -377,7 +378,7 @@ class SqlStore(SqlStoreAdmin):
         """
         if connection is not None:
             return self._join(connection)
-        return begin(self.engine, self.where)
+        return self._transactions.begin(self.where)
 
     @contextmanager
     def _join(self, connection: Any) -> Iterator[Connection]:
@@ -431,7 +432,7 @@ class SqlStore(SqlStoreAdmin):
         attempt = 1
         while True:
             try:
-                with begin(self.engine, self.where) as conn:
+                with self._transactions.begin(self.where) as conn:
                     return self._in_transaction(conn, doing, primitive)
             except StoreConflictError:
                 if attempt >= OWN_TRANSACTION_ATTEMPTS:
@@ -505,6 +506,7 @@ class SqlStore(SqlStoreAdmin):
 
     def close(self) -> None:
         """Close every pooled connection (the engine is disposed)."""
+        self._transactions.close()
         self.engine.dispose()
 
 
