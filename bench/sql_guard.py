@@ -5,8 +5,11 @@ row and, if it was new, the business UPDATE, in one transaction. idemq runs the 
 UPDATE through ``tx.exec_driver_sql`` inside ``Idempotency.process``. Two passes each: first
 delivery of N ids, then all N again (duplicates). Best of ``--repeat`` runs, contenders alternated.
 A third loop prints the *bound*: the raw loop with idemq's own claim statement in place of the
-raw INSERT (see :func:`claim_loop`). Each row also prints the client CPU per message
-(``time.process_time``: this process only, the servers excluded), and every ratio.
+raw INSERT (see :func:`claim_loop`). A fourth is the raw loop written on SQLAlchemy instead of
+the bare driver (:func:`sqlalchemy_loop`): ``engine.begin()`` and ``exec_driver_sql``, what a
+hand-written consumer whose handler takes a SQLAlchemy ``Connection``, as idemq's does, pays.
+Each row also prints the client CPU per message (``time.process_time``: this process only, the
+servers excluded), and every ratio.
 
     python bench/sql_guard.py [--n 2000] [--sqlite-n 20000] [--repeat 3] [--only postgres,...]
 """
@@ -151,6 +154,22 @@ def claim_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> tuple
     return elapsed
 
 
+def sqlalchemy_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> tuple[float, float]:
+    """The raw loop on SQLAlchemy: one ``engine.begin()`` per message (a pooled connection, its
+    transaction, COMMIT), the raw INSERT and the business UPDATE through ``exec_driver_sql``."""
+    engine = store.engine
+    placeholder = ":id" if backend.name == "sqlite" else "%(id)s"
+    update = f"UPDATE {ACCOUNTS} SET balance = balance - 1 WHERE id = {placeholder}"
+    params = {"id": 1}
+    clocks = Clocks()
+    for message_id in ids:
+        with engine.begin() as conn:
+            inserted = conn.exec_driver_sql(backend.raw_insert, (message_id, message_id[:64]))
+            if inserted.rowcount == 1:
+                conn.exec_driver_sql(update, params)
+    return clocks.stop()
+
+
 def idemq_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> tuple[float, float]:
     guard = idemq.Idempotency(store, consumer="bench")
     placeholder = ":id" if backend.name == "sqlite" else "%(id)s"
@@ -174,6 +193,7 @@ def bench(backend: Backend, repeat: int) -> list[tuple[str, dict[str, tuple[floa
     loops: dict[str, Callable[[], tuple[float, float]]] = {
         "raw": lambda: raw_loop(backend, ids),
         "claim": lambda: claim_loop(store, backend, ids),
+        "sqlalchemy": lambda: sqlalchemy_loop(store, backend, ids),
         "idemq": lambda: idemq_loop(store, backend, ids),
     }
     wall: dict[tuple[str, str], float] = {}
@@ -253,23 +273,27 @@ def main() -> None:
     print(
         f"{'backend':<10}{'pass':<12}{'raw msg/s':>10}{'cpu us':>8}{'idemq msg/s':>12}{'cpu us':>8}"
         f"{'ratio':>7}{'bound msg/s':>12}{'cpu us':>8}{'bound':>7}{'idemq/bound':>12}"
+        f"{'sa msg/s':>10}{'cpu us':>8}{'sa':>7}{'idemq/sa':>9}"
     )
     for backend in backends(args):
         for phase, rate in bench(backend, args.repeat):
-            (raw, raw_cpu), (ours, our_cpu), (bound, bound_cpu) = (
+            (raw, raw_cpu), (ours, our_cpu), (bound, bound_cpu), (by_sa, sa_cpu) = (
                 rate["raw"],
                 rate["idemq"],
                 rate["claim"],
+                rate["sqlalchemy"],
             )
             print(
                 f"{backend.name:<10}{phase:<12}{raw:>10,.0f}{raw_cpu:>8.0f}{ours:>12,.0f}"
                 f"{our_cpu:>8.0f}{ours / raw:>6.2f}x{bound:>12,.0f}{bound_cpu:>8.0f}"
-                f"{bound / raw:>6.2f}x{ours / bound:>11.2f}x"
+                f"{bound / raw:>6.2f}x{ours / bound:>11.2f}x{by_sa:>10,.0f}{sa_cpu:>8.0f}"
+                f"{by_sa / raw:>6.2f}x{ours / by_sa:>8.2f}x"
             )
     print(
         "cpu us: client CPU per message (this process); ratio: idemq / raw; bound: the raw loop "
         "running idemq's own claim (which returns the stored record, as a duplicate's replay "
-        "needs), no idemq code per message, / raw"
+        "needs), no idemq code per message, / raw; sa: the raw loop written on SQLAlchemy "
+        "(engine.begin(), exec_driver_sql), / raw"
     )
 
 

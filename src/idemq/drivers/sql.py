@@ -319,7 +319,15 @@ async def _aexecute_on_cursor(
     connection: AsyncConnection, statement: DriverStatement, params: Mapping[str, Any]
 ) -> Reply:
     sql, args = statement.bind(params)
-    pooled = await connection.get_raw_connection()
+    # The pooled connection the transaction holds, read off the sync-style Connection the
+    # AsyncConnection proxies (no greenlet hand-off); get_raw_connection() (one each time) is
+    # only needed when it has none, an invalidated one, where it raises.
+    sync = connection.sync_connection
+    pooled = (
+        sync.connection
+        if sync is not None and not sync.invalidated and not sync.closed
+        else await connection.get_raw_connection()
+    )
     driver: Any = pooled.driver_connection
     dialect = connection.dialect
     cursor = _cursor(pooled.info, driver)  # psycopg's async cursor, kept as the sync one is
