@@ -38,6 +38,7 @@ PG_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306/test"
 RAW_TABLE = "bench_message_idempotent_raw"
+SA_TABLE = "bench_message_idempotent_sa"
 IDEMQ_TABLE = "bench_message_idempotent"
 ACCOUNTS = "bench_accounts"
 
@@ -56,10 +57,14 @@ def seed_ddl(backend: Backend) -> list[str]:
     ts = "TIMESTAMP" if backend.name == "postgres" else "DATETIME"
     return [
         f"DROP TABLE IF EXISTS {RAW_TABLE}",
+        f"DROP TABLE IF EXISTS {SA_TABLE}",
         f"DROP TABLE IF EXISTS {ACCOUNTS}",
-        f"CREATE TABLE {RAW_TABLE} (message_id VARCHAR(128) PRIMARY KEY, business_id VARCHAR(64), "
-        f"status SMALLINT DEFAULT 0, processed_time {ts}, "
-        f"created_time {ts} DEFAULT CURRENT_TIMESTAMP)",
+        *(
+            f"CREATE TABLE {table} (message_id VARCHAR(128) PRIMARY KEY, business_id VARCHAR(64), "
+            f"status SMALLINT DEFAULT 0, processed_time {ts}, "
+            f"created_time {ts} DEFAULT CURRENT_TIMESTAMP)"
+            for table in (RAW_TABLE, SA_TABLE)
+        ),
         f"CREATE TABLE {ACCOUNTS} (id INTEGER PRIMARY KEY, balance BIGINT NOT NULL)",
         f"INSERT INTO {ACCOUNTS} (id, balance) VALUES (1, 1000000000)",
     ]
@@ -78,6 +83,7 @@ def setup(backend: Backend) -> idemq.SqlStore:
 def reset(store: idemq.SqlStore) -> None:
     with store.engine.begin() as conn:
         conn.exec_driver_sql(f"DELETE FROM {RAW_TABLE}")
+        conn.exec_driver_sql(f"DELETE FROM {SA_TABLE}")
         conn.exec_driver_sql(f"DELETE FROM {IDEMQ_TABLE}")
 
 
@@ -156,15 +162,17 @@ def claim_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> tuple
 
 def sqlalchemy_loop(store: idemq.SqlStore, backend: Backend, ids: list[str]) -> tuple[float, float]:
     """The raw loop on SQLAlchemy: one ``engine.begin()`` per message (a pooled connection, its
-    transaction, COMMIT), the raw INSERT and the business UPDATE through ``exec_driver_sql``."""
+    transaction, COMMIT), the raw INSERT (into a dedup table of its own) and the business UPDATE
+    through ``exec_driver_sql``."""
     engine = store.engine
+    insert = backend.raw_insert.replace(RAW_TABLE, SA_TABLE)
     placeholder = ":id" if backend.name == "sqlite" else "%(id)s"
     update = f"UPDATE {ACCOUNTS} SET balance = balance - 1 WHERE id = {placeholder}"
     params = {"id": 1}
     clocks = Clocks()
     for message_id in ids:
         with engine.begin() as conn:
-            inserted = conn.exec_driver_sql(backend.raw_insert, (message_id, message_id[:64]))
+            inserted = conn.exec_driver_sql(insert, (message_id, message_id[:64]))
             if inserted.rowcount == 1:
                 conn.exec_driver_sql(update, params)
     return clocks.stop()
