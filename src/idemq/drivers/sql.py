@@ -174,7 +174,7 @@ class DriverStatement:
             return state.statement, state.positional_parameters
         if self.positions is None:
             return self.sql, values
-        return self.sql, tuple(values[name] for name in self.positions)
+        return self.sql, tuple([values[name] for name in self.positions])
 
     def rows(self, names: Callable[[], Iterable[str]], rows: Iterable[Any]) -> list[Any]:
         """The driver's rows as named tuples, read by name like SQLAlchemy's rows (``names``:
