@@ -53,6 +53,7 @@ __all__ = [
     "MAX_RENEWALS_IN_FLIGHT",
     "AsyncHolding",
     "Holding",
+    "Kept",
     "LeaseKeeper",
     "LeaseTerms",
     "keep_async",
@@ -86,7 +87,9 @@ class LeaseTerms:
 
 
 @dataclass(slots=True, eq=False)
-class _Kept:
+class Kept:
+    """One claim a :class:`LeaseKeeper` renews (see :meth:`LeaseKeeper.keep`)."""
+
     terms: LeaseTerms
     context: HandlerContext | None  # None: a claim held for a later handler of a batch
     next_at: float  # monotonic: when the next renewal is due
@@ -103,7 +106,7 @@ RenewCall = Callable[[Key, str, int, int], bool]
 """``store.renew(key, owner, lease_until_ms, now_ms) -> still held``."""
 
 
-def _mark_lost(kept: _Kept) -> None:
+def _mark_lost(kept: Kept) -> None:
     """Tell ``kept``'s handler its claim is lost (once); a held claim just stops renewing."""
     kept.gone = True
     context = kept.context
@@ -117,7 +120,7 @@ def _mark_lost(kept: _Kept) -> None:
     context.mark_lease_lost()
 
 
-def _answered(kept: _Kept, held: bool | None, sent_at: float) -> None:
+def _answered(kept: Kept, held: bool | None, sent_at: float) -> None:
     """What one renewal's answer means (None: the store could not be reached in time)."""
     if held:
         kept.confirmed_at = max(kept.confirmed_at, sent_at)
@@ -125,7 +128,7 @@ def _answered(kept: _Kept, held: bool | None, sent_at: float) -> None:
         _mark_lost(kept)
 
 
-def _overdue(kept: _Kept, now: float) -> None:
+def _overdue(kept: Kept, now: float) -> None:
     """No renewal confirmed for ``lost_after_s``: the claim may have been taken over."""
     if kept.context is not None and not kept.gone and now >= kept.lost_at:
         _mark_lost(kept)
@@ -147,7 +150,7 @@ class LeaseKeeper:
     monotonic: Callable[[], float] = time.monotonic
     idle_exit_s: float = 10.0
     max_in_flight: int = MAX_RENEWALS_IN_FLIGHT
-    _kept: set[_Kept] = field(default_factory=set)
+    _kept: set[Kept] = field(default_factory=set)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _in_flight: int = 0
@@ -159,11 +162,24 @@ class LeaseKeeper:
     @contextmanager
     def keeping(self, terms: LeaseTerms, context: HandlerContext) -> Iterator[None]:
         """Renew ``terms``' claim until the block ends; ``context`` hears if it is lost."""
-        kept = self._add(terms, context)
+        kept = self.keep(terms, context)
         try:
             yield
         finally:
-            self._discard([kept])
+            self.stop(kept)
+
+    def keep(self, terms: LeaseTerms, context: HandlerContext) -> Kept:
+        """Renew ``terms``' claim from now until :meth:`stop` (``context`` hears if it is lost):
+        :meth:`keeping` without a context manager, for the guard's hot path, which calls
+        ``stop`` in its own ``finally``."""
+        return self._add(terms, context)
+
+    def stop(self, kept: Kept) -> None:
+        """Stop renewing a claim :meth:`keep` returned."""
+        with self._cond:
+            self._kept.discard(kept)
+            if not self._kept:
+                self._idle_since = self.monotonic()
 
     @contextmanager
     def holding(self) -> Iterator[Holding]:
@@ -175,9 +191,9 @@ class LeaseKeeper:
         finally:
             holding.keep(())
 
-    def _add(self, terms: LeaseTerms, context: HandlerContext | None) -> _Kept:
+    def _add(self, terms: LeaseTerms, context: HandlerContext | None) -> Kept:
         now = self.monotonic()
-        kept = _Kept(terms, context, now + terms.interval_s, now)
+        kept = Kept(terms, context, now + terms.interval_s, now)
         with self._cond:
             self._kept.add(kept)
             if self._thread is None:
@@ -189,7 +205,7 @@ class LeaseKeeper:
                 self._cond.notify()
         return kept
 
-    def _discard(self, kept: Iterable[_Kept]) -> None:
+    def _discard(self, kept: Iterable[Kept]) -> None:
         with self._cond:
             for one in kept:
                 self._kept.discard(one)
@@ -222,9 +238,9 @@ class LeaseKeeper:
         self._cond.wait(wake - now)
         self._wakes_at = 0.0  # awake: whatever is added now is seen before the next wait
 
-    def _due(self, now: float) -> list[_Kept]:
+    def _due(self, now: float) -> list[Kept]:
         """Report overdue claims lost; take the renewals due now (under the lock)."""
-        due: list[_Kept] = []
+        due: list[Kept] = []
         for kept in self._kept:
             _overdue(kept, now)
         for kept in self._kept:
@@ -249,7 +265,7 @@ class LeaseKeeper:
                 wake = min(wake, kept.lost_at)
         return wake
 
-    def _renew_once(self, kept: _Kept) -> None:
+    def _renew_once(self, kept: Kept) -> None:
         terms = kept.terms
         sent_at = self.monotonic()
         now_ms = self.clock()
@@ -273,7 +289,7 @@ class Holding:
 
     def __init__(self, keeper: LeaseKeeper) -> None:
         self._keeper = keeper
-        self._held: list[_Kept] = []  # in the batch's order
+        self._held: list[Kept] = []  # in the batch's order
 
     def keep(self, terms: Sequence[LeaseTerms]) -> None:
         """Hold exactly ``terms``' claims from now on: new ones are renewed from now, the ones
@@ -310,7 +326,7 @@ async def keep_async(
     waiting to hear that its query was cancelled) cannot hold the verdict back.
     """
     now = monotonic()
-    kept = _Kept(terms, context, now + terms.interval_s, now)
+    kept = Kept(terms, context, now + terms.interval_s, now)
     pending: asyncio.Future[Any] | None = None
     sent_at = now
     try:
