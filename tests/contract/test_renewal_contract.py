@@ -133,6 +133,43 @@ def test_an_async_handler_whose_lease_is_lost_is_cancelled(kind: str, tmp_path: 
     assert time.monotonic() - began < 4 * LEASE_S
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_an_async_handler_longer_than_its_lease_keeps_it_and_runs_once(kind: str, tmp_path: Any):
+    # The renewal task starts only when the first renewal is due (a timer until then): the
+    # claim must still be renewed from then on, every interval, past two leases.
+    consumer = unique("c")
+    runs: list[str] = []
+
+    async def main() -> tuple[idemq.Outcome[Any], idemq.Outcome[Any]]:
+        store = await async_lease_store(kind, tmp_path)
+        holder = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+        rival = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+        started = asyncio.Event()
+
+        async def slow(_tx: Any) -> str:
+            runs.append("holder")
+            started.set()
+            await asyncio.sleep(2.5 * LEASE_S)
+            return "done"
+
+        async def rival_later() -> idemq.Outcome[Any]:
+            await started.wait()
+            await asyncio.sleep(1.5 * LEASE_S)  # past the first lease
+            return await rival.process("M1", lambda _tx: runs.append("rival"))
+
+        try:
+            first, second = await asyncio.gather(holder.process("M1", slow), rival_later())
+        finally:
+            await store.close()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert second.status is idemq.Status.IN_PROGRESS
+    assert first.status is idemq.Status.PROCESSED
+    assert runs == ["holder"]
+
+
 async def async_lease_store(kind: str, tmp_path: Any) -> Any:
     if kind == "redis":
         require_service("redis")

@@ -22,7 +22,7 @@ from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Mode, Outcome
 from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, StoreStep, message_flow
 from idemq.guard.inflight import InFlight
-from idemq.guard.renewal import AsyncHolding, keep_async
+from idemq.guard.renewal import AsyncHolding, AsyncKeeping
 from idemq.message import Message
 from idemq.stores.base import (
     AsyncGuardStore,
@@ -173,8 +173,8 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
         if step.lease is None:
             return await awaitable
         running = asyncio.ensure_future(awaitable)
-        keeper = asyncio.create_task(
-            keep_async(self.store.renew, self.policy.clock, step.lease, step.context, running)
+        keeping = AsyncKeeping(
+            self.store.renew, self.policy.clock, step.lease, step.context, running
         )
         try:
             return await running
@@ -186,7 +186,7 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
                 "the handler was cancelled"
             ) from exc
         finally:
-            keeper.cancel()
+            keeping.stop()
 
     async def _run(
         self,

@@ -52,6 +52,7 @@ from idemq.stores.base import Key
 __all__ = [
     "MAX_RENEWALS_IN_FLIGHT",
     "AsyncHolding",
+    "AsyncKeeping",
     "Holding",
     "Kept",
     "LeaseKeeper",
@@ -316,16 +317,20 @@ async def keep_async(
     handler: asyncio.Future[Any],
     *,
     monotonic: Callable[[], float] = time.monotonic,
+    kept_since: float | None = None,
 ) -> None:
     """Renew ``terms``' claim every ``interval_s`` until cancelled; when the claim is lost —
     refused, or no renewal confirmed for ``lost_after_s`` — cancel ``handler`` (the handler's
     task), after marking ``context``.
 
+    ``kept_since``: when (``monotonic``) the claim was made or last confirmed, if before now:
+    a guard starts this loop only once the first renewal is due (see :class:`AsyncKeeping`).
+
     A renewal runs as a task of its own that this loop waits on only until the claim would
     count as lost: a renewal stuck on a silent connection (and, after a cancel, a driver still
     waiting to hear that its query was cancelled) cannot hold the verdict back.
     """
-    now = monotonic()
+    now = monotonic() if kept_since is None else kept_since
     kept = Kept(terms, context, now + terms.interval_s, now)
     pending: asyncio.Future[Any] | None = None
     sent_at = now
@@ -352,6 +357,40 @@ async def keep_async(
         if pending is not None and not pending.done():
             pending.cancel()  # not awaited: the driver may take long to give it up
     handler.cancel()
+
+
+class AsyncKeeping:
+    """:func:`keep_async` for one running async handler's claim, its task started only when the
+    first renewal is due (``interval_s`` from now); :meth:`stop` it when the handler is done.
+
+    Nothing can happen to the claim before then (it counts as lost no sooner than
+    ``lost_after_s``, after the first renewal), and most handlers are done long before: they
+    cost a timer, not a task that is started and cancelled again.
+    """
+
+    __slots__ = ("_args", "_keeper", "_since", "_timer")
+
+    def __init__(
+        self,
+        renew: Callable[[Key, str, int, int], Any],
+        clock: Clock,
+        terms: LeaseTerms,
+        context: HandlerContext,
+        handler: asyncio.Future[Any],
+    ) -> None:
+        self._args = (renew, clock, terms, context, handler)
+        self._since = time.monotonic()
+        self._keeper: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(terms.interval_s, self._start)
+
+    def _start(self) -> None:
+        self._keeper = asyncio.ensure_future(keep_async(*self._args, kept_since=self._since))
+
+    def stop(self) -> None:
+        """No more renewals (the handler is done, or was cancelled)."""
+        self._timer.cancel()
+        if self._keeper is not None:
+            self._keeper.cancel()
 
 
 def _renewal_answer(renewal: asyncio.Future[Any], terms: LeaseTerms) -> bool | None:
