@@ -67,7 +67,7 @@ MAX_RENEWALS_IN_FLIGHT = 16
 that a store gone silent ties up at most this many threads and pooled connections."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per lease-mode message (see flow.Claim)
 class LeaseTerms:
     """The claim a running handler holds: whose, and for how long each renewal extends it."""
 
