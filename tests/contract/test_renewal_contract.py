@@ -133,6 +133,65 @@ def test_an_async_handler_whose_lease_is_lost_is_cancelled(kind: str, tmp_path: 
     assert time.monotonic() - began < 4 * LEASE_S
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_lost_lease_leaves_the_callers_task_uncancelled(kind: str, tmp_path: Any):
+    # The handler runs in the caller's task, which the renewal cancels when the lease is lost;
+    # once that is a LeaseLostError, the task must not stay "cancelling" (a timeout or task
+    # group around the call would take the renewal's cancel for its own).
+    consumer = unique("c")
+
+    async def main() -> tuple[int, bool]:
+        store = await async_lease_store(kind, tmp_path)
+        guard = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+
+        async def handler(_tx: Any) -> None:
+            await store.forget("M1", consumer, force=True)
+            await asyncio.sleep(5 * LEASE_S)
+
+        try:
+            async with asyncio.timeout(10 * LEASE_S) as scope:
+                with pytest.raises(idemq.LeaseLostError):
+                    await guard.process("M1", handler)
+                await asyncio.sleep(0.01)  # still runs: nothing left to cancel this task
+            task = asyncio.current_task()
+            assert task is not None
+            return task.cancelling(), scope.expired()
+        finally:
+            await store.close()
+
+    assert asyncio.run(main()) == (0, False)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_cancelled_caller_cancels_its_async_handler_and_releases_the_claim(
+    kind: str, tmp_path: Any
+):
+    consumer = unique("c")
+    reached: list[str] = []
+
+    async def main() -> Any:
+        store = await async_lease_store(kind, tmp_path)
+        guard = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+
+        async def handler(_tx: Any) -> None:
+            try:
+                await asyncio.sleep(5 * LEASE_S)
+            except asyncio.CancelledError:
+                reached.append("cancelled")
+                raise
+
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.3):
+                    await guard.process("M1", handler)
+            return await store.get("M1", consumer)
+        finally:
+            await store.close()
+
+    assert asyncio.run(main()) is None  # released: the message can run again at once
+    assert reached == ["cancelled"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
 def test_an_async_handler_longer_than_its_lease_keeps_it_and_runs_once(kind: str, tmp_path: Any):

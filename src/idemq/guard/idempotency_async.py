@@ -169,12 +169,26 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
 
     async def _renewing(self, step: RunHandler, awaitable: Awaitable[Any]) -> Any:
         """Await the handler while its claim is renewed; a lost claim cancels it and is
-        reported as :class:`~idemq.LeaseLostError`."""
+        reported as :class:`~idemq.LeaseLostError`.
+
+        The handler runs in the caller's task, which the renewal cancels when the claim is
+        lost (the keeper marks the context lost and cancels in one step, so ``lease_lost``
+        tells that cancel from the caller's own); that cancel is taken back
+        (``Task.uncancel``) once it has become the LeaseLostError, so an ``asyncio.timeout`` or
+        a task group around the call counts only its own.
+        """
         if step.lease is None:
             return await awaitable
-        running = asyncio.ensure_future(awaitable)
+        task = asyncio.current_task()
+        # Awaited outside a task (a coroutine driven by hand): the handler gets a task of its
+        # own to cancel.
+        running = awaitable if task is not None else asyncio.ensure_future(awaitable)
         keeping = AsyncKeeping(
-            self.store.renew, self.policy.clock, step.lease, step.context, running
+            self.store.renew,
+            self.policy.clock,
+            step.lease,
+            step.context,
+            task if task is not None else cast("asyncio.Future[Any]", running),
         )
         try:
             return await running
@@ -187,6 +201,8 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
             ) from exc
         finally:
             keeping.stop()
+            if task is not None and step.context.lease_lost:
+                task.uncancel()  # the renewal's cancel, delivered (or swallowed by the handler)
 
     async def _run(
         self,
