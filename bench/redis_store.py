@@ -10,11 +10,11 @@ Two passes per contender, each over N fresh message ids:
 The asyncio guard runs a plain handler and, in a row of its own on the first pass, an ``async
 def`` one (its claim renewed while it is awaited, as a lease-mode guard does for every
 coroutine handler). Baselines: ``SET k P NX PX`` then ``SET k D XX EX`` (first pass), a bare
-``SET k P NX`` (duplicates), on the sync and on the asyncio client. The *bound* rows send idemq's own
-EVALSHA calls through ``execute_command`` with no idemq code per message, reply unparsed:
-the gap from the bare command to the bound is the server's work (a Lua script instead of a
-native SET) and the longer command; from the bound to the store, the store's own Python; from
-the store to the guard, the guard's. Powertools (``idempotent_function`` + its Redis layer) is
+``SET k P NX`` (duplicates), on the sync and on the asyncio client. The *bound* rows send
+idemq's own EVALSHA calls through ``execute_command`` with no idemq code per message, reply
+unparsed: the gap from the bare command to the bound is the server's work (a Lua script instead
+of a native SET) and the longer command; from the bound to the store, the store's own Python;
+from the store to the guard, the guard's. Powertools (``idempotent_function`` + its Redis layer) is
 measured when importable: install it into a separate venv, never into idemq's dependencies,
 and put both on the path, e.g. ``PYTHONPATH=src /tmp/benchvenv/bin/python bench/redis_store.py``.
 
