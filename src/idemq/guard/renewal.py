@@ -15,8 +15,8 @@ lose them to a rival that then completes them — and the batch would run them a
 
 When a renewal finds the claim gone (the worker was paused past its lease and another took the
 message over) the handler is told: :attr:`HandlerContext.lease_lost` turns true (and an async
-handler's task is cancelled), and ``complete`` is refused with :class:`~idemq.LeaseLostError`
-as always.
+handler is cancelled where it awaits), and ``complete`` is refused with
+:class:`~idemq.LeaseLostError` as always.
 
 The handler is told on time however the store fails. A renewal is *confirmed* when the store
 answered that the claim is still held; the lease then runs ``lease_s`` from when that renewal
@@ -320,8 +320,9 @@ async def keep_async(
     kept_since: float | None = None,
 ) -> None:
     """Renew ``terms``' claim every ``interval_s`` until cancelled; when the claim is lost —
-    refused, or no renewal confirmed for ``lost_after_s`` — cancel ``handler`` (the handler's
-    task), after marking ``context``.
+    refused, or no renewal confirmed for ``lost_after_s`` — cancel ``handler`` (the task the
+    handler runs in), after marking ``context``, with no await in between: whoever catches the
+    cancel can tell it from another by ``context.lease_lost``.
 
     ``kept_since``: when (``monotonic``) the claim was made or last confirmed, if before now:
     a guard starts this loop only once the first renewal is due (see :class:`AsyncKeeping`).
