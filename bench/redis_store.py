@@ -7,12 +7,14 @@ Two passes per contender, each over N fresh message ids:
   complete script, both by EVALSHA);
 * duplicates  — every id already done: the claim must answer "duplicate" (idemq: the claim
   script, whose reply is the stored record, so the result can be replayed).
-Baselines: ``SET k P NX PX`` then ``SET k D XX EX`` (first pass), a bare ``SET k P NX``
-(duplicates), on the sync and on the asyncio client. The *bound* rows send idemq's own
-EVALSHA calls through ``execute_command`` with no idemq code per message, reply unparsed:
-the gap from the bare command to the bound is the server's work (a Lua script instead of a
-native SET) and the longer command; from the bound to the store, the store's own Python; from
-the store to the guard, the guard's. Powertools (``idempotent_function`` + its Redis layer) is
+The asyncio guard runs a plain handler and, in a row of its own on the first pass, an ``async
+def`` one (its claim renewed while it is awaited, as a lease-mode guard does for every
+coroutine handler). Baselines: ``SET k P NX PX`` then ``SET k D XX EX`` (first pass), a bare
+``SET k P NX`` (duplicates), on the sync and on the asyncio client. The *bound* rows send
+idemq's own EVALSHA calls through ``execute_command`` with no idemq code per message, reply
+unparsed: the gap from the bare command to the bound is the server's work (a Lua script instead
+of a native SET) and the longer command; from the bound to the store, the store's own Python;
+from the store to the guard, the guard's. Powertools (``idempotent_function`` + its Redis layer) is
 measured when importable: install it into a separate venv, never into idemq's dependencies,
 and put both on the path, e.g. ``PYTHONPATH=src /tmp/benchvenv/bin/python bench/redis_store.py``.
 
@@ -185,15 +187,22 @@ def async_primitives(runner: asyncio.Runner, store: AsyncRedisStore, duplicate: 
     return on_loop(runner, body)
 
 
-def async_guard(runner: asyncio.Runner, store: AsyncRedisStore) -> Loop:
+def async_guard(runner: asyncio.Runner, store: AsyncRedisStore, *, coroutine: bool = False) -> Loop:
+    """AsyncIdempotency over ``store`` with a plain handler, or (``coroutine``) an async one,
+    whose claim the guard renews while it is awaited."""
     guard = idemq.AsyncIdempotency(store, consumer="bench-aguard", mode="lease", lease_s=30)
 
     def handler(tx: object) -> dict[str, bool]:
         return {"ok": True}
 
+    async def async_handler(tx: object) -> dict[str, bool]:
+        return {"ok": True}
+
+    chosen = async_handler if coroutine else handler
+
     async def body(ids: list[str]) -> None:
         for message_id in ids:
-            await guard.process(message_id, handler)
+            await guard.process(message_id, chosen)
 
     return on_loop(runner, body)
 
@@ -315,6 +324,11 @@ def main() -> None:
         ("async bound: claim+complete EVALSHA", async_bound(runner, aclient, True), None),
         ("async AsyncRedisStore claim+compl.", async_primitives(runner, astore, False), None),
         ("async AsyncIdempotency(lease)", async_guard(runner, astore), None),
+        (
+            "async AsyncIdempotency, async handler",
+            async_guard(runner, astore, coroutine=True),
+            None,
+        ),
     ]
     dups: list[Contender] = [
         ("bare SET NX", bare_setnx(client), bare_first(client)),
@@ -370,6 +384,7 @@ def main() -> None:
     ratio("idemq Idempotency(lease)", "bare SET NX PX + SET XX EX", 0.9)
     ratio("idemq Idempotency(lease) (dup)", "bare SET NX", 0.9)
     ratio("async AsyncIdempotency(lease)", "async bare SET NX PX + SET XX EX", 0.9)
+    ratio("async AsyncIdempotency, async handler", "async bare SET NX PX + SET XX EX", 0.9)
     ratio("async AsyncIdempotency (dup)", "async bare SET NX", 0.9)
     ratio("idemq RedisStore claim+complete", "bare SET NX PX + SET XX EX")
     ratio("idemq RedisStore claim (dup)", "bare SET NX")

@@ -133,6 +133,102 @@ def test_an_async_handler_whose_lease_is_lost_is_cancelled(kind: str, tmp_path: 
     assert time.monotonic() - began < 4 * LEASE_S
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_lost_lease_leaves_the_callers_task_uncancelled(kind: str, tmp_path: Any):
+    # The handler runs in the caller's task, which the renewal cancels when the lease is lost;
+    # once that is a LeaseLostError, the task must not stay "cancelling" (a timeout or task
+    # group around the call would take the renewal's cancel for its own).
+    consumer = unique("c")
+
+    async def main() -> tuple[int, bool]:
+        store = await async_lease_store(kind, tmp_path)
+        guard = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+
+        async def handler(_tx: Any) -> None:
+            await store.forget("M1", consumer, force=True)
+            await asyncio.sleep(5 * LEASE_S)
+
+        try:
+            async with asyncio.timeout(10 * LEASE_S) as scope:
+                with pytest.raises(idemq.LeaseLostError):
+                    await guard.process("M1", handler)
+                await asyncio.sleep(0.01)  # still runs: nothing left to cancel this task
+            task = asyncio.current_task()
+            assert task is not None
+            return task.cancelling(), scope.expired()
+        finally:
+            await store.close()
+
+    assert asyncio.run(main()) == (0, False)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_cancelled_caller_cancels_its_async_handler_and_releases_the_claim(
+    kind: str, tmp_path: Any
+):
+    consumer = unique("c")
+    reached: list[str] = []
+
+    async def main() -> Any:
+        store = await async_lease_store(kind, tmp_path)
+        guard = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+
+        async def handler(_tx: Any) -> None:
+            try:
+                await asyncio.sleep(5 * LEASE_S)
+            except asyncio.CancelledError:
+                reached.append("cancelled")
+                raise
+
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.3):
+                    await guard.process("M1", handler)
+            return await store.get("M1", consumer)
+        finally:
+            await store.close()
+
+    assert asyncio.run(main()) is None  # released: the message can run again at once
+    assert reached == ["cancelled"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_an_async_handler_longer_than_its_lease_keeps_it_and_runs_once(kind: str, tmp_path: Any):
+    # The renewal task starts only when the first renewal is due (a timer until then): the
+    # claim must still be renewed from then on, every interval, past two leases.
+    consumer = unique("c")
+    runs: list[str] = []
+
+    async def main() -> tuple[idemq.Outcome[Any], idemq.Outcome[Any]]:
+        store = await async_lease_store(kind, tmp_path)
+        holder = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+        rival = idemq.AsyncIdempotency(store, consumer=consumer, mode="lease", lease_s=LEASE_S)
+        started = asyncio.Event()
+
+        async def slow(_tx: Any) -> str:
+            runs.append("holder")
+            started.set()
+            await asyncio.sleep(2.5 * LEASE_S)
+            return "done"
+
+        async def rival_later() -> idemq.Outcome[Any]:
+            await started.wait()
+            await asyncio.sleep(1.5 * LEASE_S)  # past the first lease
+            return await rival.process("M1", lambda _tx: runs.append("rival"))
+
+        try:
+            first, second = await asyncio.gather(holder.process("M1", slow), rival_later())
+        finally:
+            await store.close()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert second.status is idemq.Status.IN_PROGRESS
+    assert first.status is idemq.Status.PROCESSED
+    assert runs == ["holder"]
+
+
 async def async_lease_store(kind: str, tmp_path: Any) -> Any:
     if kind == "redis":
         require_service("redis")

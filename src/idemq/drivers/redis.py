@@ -194,6 +194,8 @@ return 0
 
 _KEY_SAFE = re.compile(r"[A-Za-z0-9_.~-]*")
 """The characters ``quote`` never escapes."""
+_ASCII_ESCAPES = {code: f"%{code:02X}" for code in range(128) if not _KEY_SAFE.fullmatch(chr(code))}
+"""``quote``'s escape of every other ASCII character, for ``str.translate``."""
 
 
 def escape_key_part(value: str) -> str:
@@ -206,6 +208,8 @@ def escape_key_part(value: str) -> str:
     """
     if _KEY_SAFE.fullmatch(value):
         return value
+    if value.isascii():  # what quote would write, without its bytes round trip
+        return value.translate(_ASCII_ESCAPES)
     return quote(value, safe="", encoding="utf-8", errors="surrogatepass")
 
 

@@ -43,7 +43,9 @@ class HandlerContext:
     owner: str
     fence: int | None = None
     _counter: itertools.count[int] = field(default_factory=itertools.count, repr=False)
-    _lost: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Made on first use (a lost lease, or a handler that waits for one): nearly every run ends
+    # without either, and an Event (a Condition and its lock) is most of what a context costs.
+    _lost: threading.Event | None = field(default=None, repr=False)
 
     def next_index(self) -> int:
         """The next number of this run (0 for the first call)."""
@@ -53,15 +55,33 @@ class HandlerContext:
     def lease_lost(self) -> bool:
         """True once a renewal found this run's claim taken over or gone (lease mode): the
         effect must not be made now, or only through a guard that refuses a stale owner."""
-        return self._lost.is_set()
+        lost = self._lost
+        return lost is not None and lost.is_set()
 
     def wait_lease_lost(self, timeout_s: float | None = None) -> bool:
         """Block until the lease is lost or ``timeout_s`` passed; True when it was lost."""
-        return self._lost.wait(timeout_s)
+        return self._lost_event().wait(timeout_s)
 
     def mark_lease_lost(self) -> None:
         """Say the claim is lost (the guard's renewal calls this)."""
-        self._lost.set()
+        self._lost_event().set()
+
+    def _lost_event(self) -> threading.Event:
+        lost = self._lost
+        if lost is None:
+            # Under a lock: the renewal's thread marking the loss and the handler starting to
+            # wait for it may both come first, and they must share one Event.
+            with _LOST_EVENT_LOCK:
+                lost = self._lost
+                if lost is None:
+                    lost = threading.Event()
+                    # The documented way to set a field of a frozen dataclass (as in its
+                    # __post_init__): the context stays read-only to the handler.
+                    object.__setattr__(self, "_lost", lost)
+        return lost
+
+
+_LOST_EVENT_LOCK = threading.Lock()
 
 
 _CURRENT: ContextVar[HandlerContext | None] = ContextVar("idemq_handler_context", default=None)

@@ -82,7 +82,11 @@ class StoreStep:
         raise NotImplementedError
 
 
-@dataclass(frozen=True, slots=True)
+# The steps of a single message (Claim, Complete, Release, RunHandler, HandlerRun) are made for
+# every message, so they are not frozen: a frozen dataclass sets each field through
+# object.__setattr__. A step lives only between the flow that yields it and the shell that
+# carries it out, so nothing can share and mutate one.
+@dataclass(slots=True)
 class Claim(StoreStep):
     """Lease mode: claim one message. Reply: :class:`~idemq.stores.base.Claim`."""
 
@@ -102,7 +106,7 @@ class ClaimMany(StoreStep):
         return store.claim_many(self.requests)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Complete(StoreStep):
     """Lease mode: PROCESSING → PROCESSED with ``result``; raises LeaseLostError if lost."""
 
@@ -115,7 +119,7 @@ class Complete(StoreStep):
         return store.complete(self.key, self.owner, self.result, self.now_ms)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Release(StoreStep):
     """Lease mode: delete the owner's PROCESSING record so the message can run again."""
 
@@ -252,7 +256,7 @@ class Pause:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunHandler:
     """Run the handler for ``message`` (None for :meth:`~idemq.Idempotency.process`), with
     ``context`` current (:func:`idemq.guard.context.current_message`) while it runs.
@@ -273,7 +277,7 @@ Step: TypeAlias = StoreStep | RunHandler | Pause
 Flow: TypeAlias = Generator[Step, Any, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HandlerRun:
     """What one run of the handler gave: its result and the result's stored form, or an error."""
 

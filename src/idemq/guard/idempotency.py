@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar, cast
 
 from idemq._plan import drive
@@ -136,15 +135,6 @@ class Idempotency(GuardBase[GuardStore]):
             self._keeper = LeaseKeeper(self.store.renew, self.policy.clock)
         return self._keeper
 
-    def _keeping(self, step: RunHandler, holding: Holding | None) -> AbstractContextManager[None]:
-        """The claim of ``step`` renewed while its handler runs (a no-op without a lease), and
-        the claims a batch holds for later messages (``step.held``) until their turn."""
-        if holding is not None:
-            holding.keep(step.held)
-        if step.lease is None:
-            return nullcontext()
-        return self._lease_keeper.keeping(step.lease, step.context)
-
     def _run(
         self,
         make_flow: Callable[[Any], Flow],
@@ -191,12 +181,20 @@ class Idempotency(GuardBase[GuardStore]):
             return step.call(self.store, tx)
         if isinstance(step, RunHandler):
             token = context.enter(step.context)
+            kept = None
             try:
-                with self._keeping(step, holding):
-                    return True, handler(step.message, tx)
+                # A batch holds the claims of its later messages (step.held) until their turn;
+                # the claim of this one is renewed while its handler runs (if it has a lease).
+                if holding is not None:
+                    holding.keep(step.held)
+                if step.lease is not None:
+                    kept = self._lease_keeper.keep(step.lease, step.context)
+                return True, handler(step.message, tx)
             except BaseException as exc:  # the flow decides; it re-raises what must go on
                 return False, exc
             finally:
+                if kept is not None:
+                    self._lease_keeper.stop(kept)
                 context.leave(token)
         time.sleep(step.seconds)
         return None

@@ -22,7 +22,7 @@ from idemq.guard.batch_flow import BatchPasses, HandlerFailedError
 from idemq.guard.core import Mode, Outcome
 from idemq.guard.flow import ConflictRetries, Flow, RunHandler, Step, StoreStep, message_flow
 from idemq.guard.inflight import InFlight
-from idemq.guard.renewal import AsyncHolding, keep_async
+from idemq.guard.renewal import AsyncHolding, AsyncKeeping
 from idemq.message import Message
 from idemq.stores.base import (
     AsyncGuardStore,
@@ -169,12 +169,26 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
 
     async def _renewing(self, step: RunHandler, awaitable: Awaitable[Any]) -> Any:
         """Await the handler while its claim is renewed; a lost claim cancels it and is
-        reported as :class:`~idemq.LeaseLostError`."""
+        reported as :class:`~idemq.LeaseLostError`.
+
+        The handler runs in the caller's task, which the renewal cancels when the claim is
+        lost (the keeper marks the context lost and cancels in one step, so ``lease_lost``
+        tells that cancel from the caller's own); that cancel is taken back
+        (``Task.uncancel``) once it has become the LeaseLostError, so an ``asyncio.timeout`` or
+        a task group around the call counts only its own.
+        """
         if step.lease is None:
             return await awaitable
-        running = asyncio.ensure_future(awaitable)
-        keeper = asyncio.create_task(
-            keep_async(self.store.renew, self.policy.clock, step.lease, step.context, running)
+        task = asyncio.current_task()
+        # Awaited outside a task (a coroutine driven by hand): the handler gets a task of its
+        # own to cancel.
+        running = awaitable if task is not None else asyncio.ensure_future(awaitable)
+        keeping = AsyncKeeping(
+            self.store.renew,
+            self.policy.clock,
+            step.lease,
+            step.context,
+            task if task is not None else cast("asyncio.Future[Any]", running),
         )
         try:
             return await running
@@ -186,7 +200,9 @@ class AsyncIdempotency(GuardBase[AsyncGuardStore]):
                 "the handler was cancelled"
             ) from exc
         finally:
-            keeper.cancel()
+            keeping.stop()
+            if task is not None and step.context.lease_lost:
+                task.uncancel()  # the renewal's cancel, delivered (or swallowed by the handler)
 
     async def _run(
         self,

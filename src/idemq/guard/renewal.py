@@ -15,8 +15,8 @@ lose them to a rival that then completes them — and the batch would run them a
 
 When a renewal finds the claim gone (the worker was paused past its lease and another took the
 message over) the handler is told: :attr:`HandlerContext.lease_lost` turns true (and an async
-handler's task is cancelled), and ``complete`` is refused with :class:`~idemq.LeaseLostError`
-as always.
+handler is cancelled where it awaits), and ``complete`` is refused with
+:class:`~idemq.LeaseLostError` as always.
 
 The handler is told on time however the store fails. A renewal is *confirmed* when the store
 answered that the claim is still held; the lease then runs ``lease_s`` from when that renewal
@@ -52,7 +52,9 @@ from idemq.stores.base import Key
 __all__ = [
     "MAX_RENEWALS_IN_FLIGHT",
     "AsyncHolding",
+    "AsyncKeeping",
     "Holding",
+    "Kept",
     "LeaseKeeper",
     "LeaseTerms",
     "keep_async",
@@ -65,7 +67,7 @@ MAX_RENEWALS_IN_FLIGHT = 16
 that a store gone silent ties up at most this many threads and pooled connections."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per lease-mode message (see flow.Claim)
 class LeaseTerms:
     """The claim a running handler holds: whose, and for how long each renewal extends it."""
 
@@ -86,7 +88,9 @@ class LeaseTerms:
 
 
 @dataclass(slots=True, eq=False)
-class _Kept:
+class Kept:
+    """One claim a :class:`LeaseKeeper` renews (see :meth:`LeaseKeeper.keep`)."""
+
     terms: LeaseTerms
     context: HandlerContext | None  # None: a claim held for a later handler of a batch
     next_at: float  # monotonic: when the next renewal is due
@@ -103,7 +107,7 @@ RenewCall = Callable[[Key, str, int, int], bool]
 """``store.renew(key, owner, lease_until_ms, now_ms) -> still held``."""
 
 
-def _mark_lost(kept: _Kept) -> None:
+def _mark_lost(kept: Kept) -> None:
     """Tell ``kept``'s handler its claim is lost (once); a held claim just stops renewing."""
     kept.gone = True
     context = kept.context
@@ -117,7 +121,7 @@ def _mark_lost(kept: _Kept) -> None:
     context.mark_lease_lost()
 
 
-def _answered(kept: _Kept, held: bool | None, sent_at: float) -> None:
+def _answered(kept: Kept, held: bool | None, sent_at: float) -> None:
     """What one renewal's answer means (None: the store could not be reached in time)."""
     if held:
         kept.confirmed_at = max(kept.confirmed_at, sent_at)
@@ -125,7 +129,7 @@ def _answered(kept: _Kept, held: bool | None, sent_at: float) -> None:
         _mark_lost(kept)
 
 
-def _overdue(kept: _Kept, now: float) -> None:
+def _overdue(kept: Kept, now: float) -> None:
     """No renewal confirmed for ``lost_after_s``: the claim may have been taken over."""
     if kept.context is not None and not kept.gone and now >= kept.lost_at:
         _mark_lost(kept)
@@ -147,7 +151,7 @@ class LeaseKeeper:
     monotonic: Callable[[], float] = time.monotonic
     idle_exit_s: float = 10.0
     max_in_flight: int = MAX_RENEWALS_IN_FLIGHT
-    _kept: set[_Kept] = field(default_factory=set)
+    _kept: set[Kept] = field(default_factory=set)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _thread: threading.Thread | None = None
     _in_flight: int = 0
@@ -159,11 +163,24 @@ class LeaseKeeper:
     @contextmanager
     def keeping(self, terms: LeaseTerms, context: HandlerContext) -> Iterator[None]:
         """Renew ``terms``' claim until the block ends; ``context`` hears if it is lost."""
-        kept = self._add(terms, context)
+        kept = self.keep(terms, context)
         try:
             yield
         finally:
-            self._discard([kept])
+            self.stop(kept)
+
+    def keep(self, terms: LeaseTerms, context: HandlerContext) -> Kept:
+        """Renew ``terms``' claim from now until :meth:`stop` (``context`` hears if it is lost):
+        :meth:`keeping` without a context manager, for the guard's hot path, which calls
+        ``stop`` in its own ``finally``."""
+        return self._add(terms, context)
+
+    def stop(self, kept: Kept) -> None:
+        """Stop renewing a claim :meth:`keep` returned."""
+        with self._cond:
+            self._kept.discard(kept)
+            if not self._kept:
+                self._idle_since = self.monotonic()
 
     @contextmanager
     def holding(self) -> Iterator[Holding]:
@@ -175,9 +192,9 @@ class LeaseKeeper:
         finally:
             holding.keep(())
 
-    def _add(self, terms: LeaseTerms, context: HandlerContext | None) -> _Kept:
+    def _add(self, terms: LeaseTerms, context: HandlerContext | None) -> Kept:
         now = self.monotonic()
-        kept = _Kept(terms, context, now + terms.interval_s, now)
+        kept = Kept(terms, context, now + terms.interval_s, now)
         with self._cond:
             self._kept.add(kept)
             if self._thread is None:
@@ -189,7 +206,7 @@ class LeaseKeeper:
                 self._cond.notify()
         return kept
 
-    def _discard(self, kept: Iterable[_Kept]) -> None:
+    def _discard(self, kept: Iterable[Kept]) -> None:
         with self._cond:
             for one in kept:
                 self._kept.discard(one)
@@ -222,9 +239,9 @@ class LeaseKeeper:
         self._cond.wait(wake - now)
         self._wakes_at = 0.0  # awake: whatever is added now is seen before the next wait
 
-    def _due(self, now: float) -> list[_Kept]:
+    def _due(self, now: float) -> list[Kept]:
         """Report overdue claims lost; take the renewals due now (under the lock)."""
-        due: list[_Kept] = []
+        due: list[Kept] = []
         for kept in self._kept:
             _overdue(kept, now)
         for kept in self._kept:
@@ -249,7 +266,7 @@ class LeaseKeeper:
                 wake = min(wake, kept.lost_at)
         return wake
 
-    def _renew_once(self, kept: _Kept) -> None:
+    def _renew_once(self, kept: Kept) -> None:
         terms = kept.terms
         sent_at = self.monotonic()
         now_ms = self.clock()
@@ -273,7 +290,7 @@ class Holding:
 
     def __init__(self, keeper: LeaseKeeper) -> None:
         self._keeper = keeper
-        self._held: list[_Kept] = []  # in the batch's order
+        self._held: list[Kept] = []  # in the batch's order
 
     def keep(self, terms: Sequence[LeaseTerms]) -> None:
         """Hold exactly ``terms``' claims from now on: new ones are renewed from now, the ones
@@ -300,17 +317,22 @@ async def keep_async(
     handler: asyncio.Future[Any],
     *,
     monotonic: Callable[[], float] = time.monotonic,
+    kept_since: float | None = None,
 ) -> None:
     """Renew ``terms``' claim every ``interval_s`` until cancelled; when the claim is lost —
-    refused, or no renewal confirmed for ``lost_after_s`` — cancel ``handler`` (the handler's
-    task), after marking ``context``.
+    refused, or no renewal confirmed for ``lost_after_s`` — cancel ``handler`` (the task the
+    handler runs in), after marking ``context``, with no await in between: whoever catches the
+    cancel can tell it from another by ``context.lease_lost``.
+
+    ``kept_since``: when (``monotonic``) the claim was made or last confirmed, if before now:
+    a guard starts this loop only once the first renewal is due (see :class:`AsyncKeeping`).
 
     A renewal runs as a task of its own that this loop waits on only until the claim would
     count as lost: a renewal stuck on a silent connection (and, after a cancel, a driver still
     waiting to hear that its query was cancelled) cannot hold the verdict back.
     """
-    now = monotonic()
-    kept = _Kept(terms, context, now + terms.interval_s, now)
+    now = monotonic() if kept_since is None else kept_since
+    kept = Kept(terms, context, now + terms.interval_s, now)
     pending: asyncio.Future[Any] | None = None
     sent_at = now
     try:
@@ -336,6 +358,40 @@ async def keep_async(
         if pending is not None and not pending.done():
             pending.cancel()  # not awaited: the driver may take long to give it up
     handler.cancel()
+
+
+class AsyncKeeping:
+    """:func:`keep_async` for one running async handler's claim, its task started only when the
+    first renewal is due (``interval_s`` from now); :meth:`stop` it when the handler is done.
+
+    Nothing can happen to the claim before then (it counts as lost no sooner than
+    ``lost_after_s``, after the first renewal), and most handlers are done long before: they
+    cost a timer, not a task that is started and cancelled again.
+    """
+
+    __slots__ = ("_args", "_keeper", "_since", "_timer")
+
+    def __init__(
+        self,
+        renew: Callable[[Key, str, int, int], Any],
+        clock: Clock,
+        terms: LeaseTerms,
+        context: HandlerContext,
+        handler: asyncio.Future[Any],
+    ) -> None:
+        self._args = (renew, clock, terms, context, handler)
+        self._since = time.monotonic()
+        self._keeper: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(terms.interval_s, self._start)
+
+    def _start(self) -> None:
+        self._keeper = asyncio.ensure_future(keep_async(*self._args, kept_since=self._since))
+
+    def stop(self) -> None:
+        """No more renewals (the handler is done, or was cancelled)."""
+        self._timer.cancel()
+        if self._keeper is not None:
+            self._keeper.cancel()
 
 
 def _renewal_answer(renewal: asyncio.Future[Any], terms: LeaseTerms) -> bool | None:

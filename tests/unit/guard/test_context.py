@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import idemq
-from idemq.guard.context import current_message
+from idemq.guard.context import HandlerContext, current_message
 
 
 def test_a_handler_sees_its_message_and_nothing_leaks_out():
@@ -58,3 +60,22 @@ def test_concurrent_async_handlers_each_see_their_own(tmp_path):
         return [o.result for o in outcomes]
 
     assert asyncio.run(main()) == [f"A{i}" for i in range(5)]
+
+
+def test_a_lease_loss_reaches_a_handler_whether_it_waits_before_or_after():
+    marked_first = HandlerContext("c", "M1", "owner")
+    assert not marked_first.lease_lost
+    marked_first.mark_lease_lost()
+    assert marked_first.lease_lost
+    assert marked_first.wait_lease_lost(0)
+
+    waiting = HandlerContext("c", "M2", "owner")
+    told: list[bool] = []
+    thread = threading.Thread(target=lambda: told.append(waiting.wait_lease_lost(10)))
+    thread.start()
+    time.sleep(0.05)  # the waiter is (most likely) waiting already
+    waiting.mark_lease_lost()
+    thread.join(5)
+    assert told == [True]
+    assert waiting.lease_lost
+    assert not HandlerContext("c", "M3", "owner").wait_lease_lost(0)

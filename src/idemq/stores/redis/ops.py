@@ -50,8 +50,12 @@ __all__ = [
     "claim",
     "claim_many",
     "claim_many_by_slot",
+    "claim_script",
     "claim_set",
+    "claimed",
     "complete",
+    "complete_script",
+    "completed",
     "find",
     "force_release",
     "forget",
@@ -59,6 +63,7 @@ __all__ = [
     "in_progress",
     "purge",
     "release",
+    "release_script",
     "renew",
     "server_time_ms",
     "stats",
@@ -140,7 +145,17 @@ def _judge_stored(request: ClaimRequest, stored: bytes | str) -> Claim | None:
     return Claim.lost_to(record)
 
 
-def _script_claim(key: Key, reply: Any) -> Claim:
+def claim_script(layout: Layout, request: ClaimRequest, *, server_clock: bool) -> RunScript:
+    """The claim script's call for ``request`` (on Redis's clock with ``server_clock``); its
+    reply means what :func:`claimed` says.
+
+    The whole claim when it is one script call whatever it finds (on Redis's clock, or on a
+    Cluster): a store makes that call itself, without running the :func:`claim` plan.
+    """
+    return RunScript(CLAIM, (layout.key(request.key),), _claim_args(layout, request, server_clock))
+
+
+def claimed(key: Key, reply: Any) -> Claim:
     """Won (the claim script returned ``{1, fence}``) or lost to the record it handed back."""
     if isinstance(reply, list) and len(reply) == 2 and reply[0] == 1:
         return Claim.won(int(reply[1]))
@@ -157,10 +172,11 @@ def claim(
     finds; on the guard's, a fresh claim or a duplicate in one round trip, a takeover in two.
     On a Redis Cluster (``cluster``) always the script: a cluster pipeline cannot carry the
     ``TIME`` a fresh claim's fence is read from."""
+    if server_clock or cluster:
+        step = claim_script(layout, request, server_clock=server_clock)
+        return claimed(request.key, (yield step))
     key = layout.key(request.key)
     args = _claim_args(layout, request, server_clock)
-    if server_clock or cluster:
-        return _script_claim(request.key, (yield RunScript(CLAIM, (key,), args)))
     # The fence of a fresh claim is Redis's TIME, read in the same round trip.
     stored, (seconds, micros) = yield Batch((_set_if_absent(key, args, request), Call("time")))
     if stored is None:
@@ -169,7 +185,7 @@ def claim(
     if decided is not None:
         return decided
     reply = yield RunScript(CLAIM, (key,), args)
-    return _script_claim(request.key, reply)
+    return claimed(request.key, reply)
 
 
 def claim_many(
@@ -181,7 +197,7 @@ def claim_many(
     keys = tuple(layout.key(r.key) for r in requests)
     args = tuple(value for r in requests for value in _claim_args(layout, r, server_clock))
     replies = yield RunScript(CLAIM_MANY, keys, args)
-    return [_script_claim(r.key, reply) for r, reply in zip(requests, replies, strict=True)]
+    return [claimed(r.key, reply) for r, reply in zip(requests, replies, strict=True)]
 
 
 def claim_many_by_slot(
@@ -205,12 +221,25 @@ def complete(
 ) -> Op[None]:
     """PROCESSING → PROCESSED for ``owner`` (stamped ``now_ms``, or Redis's time with
     ``server_clock``); :class:`LeaseLostError` if ``owner`` lost it."""
+    step = complete_script(layout, key, owner, result, now_ms, server_clock=server_clock)
+    completed(key, (yield step))
+
+
+def complete_script(
+    layout: Layout, key: Key, owner: str, result: str, now_ms: int, *, server_clock: bool
+) -> RunScript:
+    """The one call :func:`complete` is (a store makes it itself); :func:`completed` reads the
+    reply."""
     # The one argument idemq encodes itself: a result is JSON text from the guard and may hold a
     # lone surrogate (json.dumps("\udcff", ensure_ascii=False)), which redis-py's strict UTF-8
     # encoder refuses. Sent as bytes with surrogatepass it round-trips, as text() reads it back.
     encoded = result.encode("utf-8", "surrogatepass")
     stamp = "" if server_clock else now_ms
-    reply = yield RunScript(COMPLETE, (layout.key(key),), (owner, encoded, stamp, layout.ttl_ms))
+    return RunScript(COMPLETE, (layout.key(key),), (owner, encoded, stamp, layout.ttl_ms))
+
+
+def completed(key: Key, reply: Any) -> None:
+    """What the complete script's reply means: done, or :class:`LeaseLostError`."""
     if reply != 1:
         raise LeaseLostError(
             f"lease on {key.message_id!r} (consumer {key.consumer!r}) was lost before complete: "
@@ -238,7 +267,12 @@ def renew(
 
 def release(layout: Layout, key: Key, owner: str) -> Op[None]:
     """Delete ``owner``'s PROCESSING record (a no-op for anyone else)."""
-    yield RunScript(RELEASE, (layout.key(key),), (owner,))
+    yield release_script(layout, key, owner)
+
+
+def release_script(layout: Layout, key: Key, owner: str) -> RunScript:
+    """The one call :func:`release` is (a store makes it itself); its reply means nothing."""
+    return RunScript(RELEASE, (layout.key(key),), (owner,))
 
 
 def get(layout: Layout, key: Key) -> Op[Record | None]:

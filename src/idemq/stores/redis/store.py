@@ -27,7 +27,9 @@ a lease only as good as the workers' clock agreement.
 
 Both classes are thin shells: every operation is a plan of :mod:`.ops` (keys, records, scripts
 and reply parsing live there and below), and the two stores differ only in the executor of
-:mod:`idemq.drivers.redis` that carries the plan out.
+:mod:`idemq.drivers.redis` that carries the plan out. A primitive that is one script call
+whatever it finds (complete, release, and the claim on Redis's clock or a Cluster) is that call,
+built and read by :mod:`.ops`, made without running a plan around it.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class _RedisStoreBase:
     _server: str
     _owns_client: bool
     _server_clock: bool
+    _claim_is_script: bool
 
     def _configure(
         self,
@@ -147,6 +150,9 @@ class RedisStore(_RedisStoreBase):
         self._execute = RedisExecutor(self._client)
         self._server = self._execute.server
         self._claim_many_op = ops.claim_many_by_slot if self._execute.cluster else ops.claim_many
+        # On Redis's clock or a Cluster a claim is the claim script whatever it finds (see
+        # ops.claim), decided once here.
+        self._claim_is_script = self._server_clock or self._execute.cluster
 
     @property
     def client(self) -> AnyRedis:
@@ -155,15 +161,10 @@ class RedisStore(_RedisStoreBase):
 
     def claim(self, request: ClaimRequest) -> Claim:
         """Claim one message; see the module docstring for the outcomes."""
-        return drive(
-            ops.claim(
-                self._layout,
-                request,
-                server_clock=self._server_clock,
-                cluster=self._execute.cluster,
-            ),
-            self._execute,
-        )
+        if self._claim_is_script:  # the claim plan would be this one call
+            step = ops.claim_script(self._layout, request, server_clock=self._server_clock)
+            return ops.claimed(request.key, self._execute(step))
+        return drive(ops.claim(self._layout, request), self._execute)
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim a batch in one Lua call (on a Cluster, one per hash slot); the answers come
@@ -175,14 +176,14 @@ class RedisStore(_RedisStoreBase):
 
     def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
         """PROCESSING → PROCESSED; raises :class:`~idemq.LeaseLostError` if ``owner`` lost it."""
-        drive(
-            ops.complete(self._layout, key, owner, result, now_ms, server_clock=self._server_clock),
-            self._execute,
+        step = ops.complete_script(
+            self._layout, key, owner, result, now_ms, server_clock=self._server_clock
         )
+        ops.completed(key, self._execute(step))
 
     def release(self, key: Key, owner: str) -> None:
         """Delete ``owner``'s PROCESSING record so the message can be retried; else no-op."""
-        drive(ops.release(self._layout, key, owner), self._execute)
+        self._execute(ops.release_script(self._layout, key, owner))
 
     def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
         """Extend ``owner``'s lease to ``lease_until_ms``; False when ``owner`` lost the claim."""
@@ -262,6 +263,9 @@ class AsyncRedisStore(_RedisStoreBase):
         self._execute = AsyncRedisExecutor(self._client)
         self._server = self._execute.server
         self._claim_many_op = ops.claim_many_by_slot if self._execute.cluster else ops.claim_many
+        # On Redis's clock or a Cluster a claim is the claim script whatever it finds (see
+        # ops.claim), decided once here.
+        self._claim_is_script = self._server_clock or self._execute.cluster
 
     @property
     def client(self) -> AnyAsyncRedis:
@@ -270,15 +274,10 @@ class AsyncRedisStore(_RedisStoreBase):
 
     async def claim(self, request: ClaimRequest) -> Claim:
         """See :meth:`RedisStore.claim`."""
-        return await adrive(
-            ops.claim(
-                self._layout,
-                request,
-                server_clock=self._server_clock,
-                cluster=self._execute.cluster,
-            ),
-            self._execute,
-        )
+        if self._claim_is_script:  # the claim plan would be this one call
+            step = ops.claim_script(self._layout, request, server_clock=self._server_clock)
+            return ops.claimed(request.key, await self._execute(step))
+        return await adrive(ops.claim(self._layout, request), self._execute)
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """See :meth:`RedisStore.claim_many`."""
@@ -289,14 +288,14 @@ class AsyncRedisStore(_RedisStoreBase):
 
     async def complete(self, key: Key, owner: str, result: str, now_ms: int) -> None:
         """See :meth:`RedisStore.complete`."""
-        await adrive(
-            ops.complete(self._layout, key, owner, result, now_ms, server_clock=self._server_clock),
-            self._execute,
+        step = ops.complete_script(
+            self._layout, key, owner, result, now_ms, server_clock=self._server_clock
         )
+        ops.completed(key, await self._execute(step))
 
     async def release(self, key: Key, owner: str) -> None:
         """See :meth:`RedisStore.release`."""
-        await adrive(ops.release(self._layout, key, owner), self._execute)
+        await self._execute(ops.release_script(self._layout, key, owner))
 
     async def renew(self, key: Key, owner: str, lease_until_ms: int, now_ms: int) -> bool:
         """See :meth:`RedisStore.renew`."""
