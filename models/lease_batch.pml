@@ -4,7 +4,8 @@
  * round trip, then runs the handlers one after the other.
  *
  * Mirrors
- *   src/idemq/guard/idempotency.py  Idempotency.process_batch, Idempotency._keeping
+ *   src/idemq/guard/idempotency.py  Idempotency.process_batch, Idempotency._execute (holding.keep,
+ *                                   LeaseKeeper.keep and LeaseKeeper.stop around each handler)
  *   src/idemq/guard/batch_flow.py  batch_flow, _handle_leased
  *   src/idemq/guard/flow.py  ClaimMany, Renew, run_handler, Complete, RunHandler
  *   src/idemq/guard/renewal.py  LeaseKeeper.keeping, LeaseKeeper._renew_once, LeaseTerms
