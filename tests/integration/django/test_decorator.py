@@ -87,6 +87,8 @@ def test_celery_worker_on_rabbitmq_runs_each_task_once(django_project: Any, tmp_
             "--loglevel=INFO",
             "-Q",
             queue,
+            "-n",  # a node name of its own: two workers named alike share a pidbox queue,
+            f"{queue}@%h",  # which RabbitMQ grants one of them alone (RESOURCE_LOCKED)
         ],
         env=env,
         cwd=ROOT,
@@ -164,6 +166,8 @@ def test_celery_twin_in_progress_is_retried_until_the_holder_is_done(
                 "--loglevel=INFO",
                 "-Q",
                 queue,
+                "-n",  # see above: a node name of its own
+                f"{queue}@%h",
             ],
             env=env,
             cwd=ROOT,
