@@ -178,7 +178,8 @@ def test_a_drivers_own_errors_are_translated_like_sqlalchemys(tmp_path: Any) -> 
 
 def test_sqlite_begin_that_finds_the_write_lock_taken_is_a_conflict(tmp_path: Any) -> None:
     # BEGIN IMMEDIATE goes to the driver's cursor from SQLAlchemy's begin event, where
-    # SQLAlchemy does not wrap its error: begin() translates sqlite3's own.
+    # SQLAlchemy does not wrap its error: the store's Transactions.begin() translates
+    # sqlite3's own.
     path = tmp_path / "busy.db"
     store = idemq.SqlStore(f"sqlite:///{path}", table=unique("drv"))
     store.create_schema()

@@ -15,9 +15,10 @@ Everything idemq does to a SQL database passes through here, and each piece prev
 * :func:`translate_db_error` maps SQLAlchemy's errors (it wraps every driver's in
   :class:`~sqlalchemy.exc.DBAPIError`) to the idemq tree, so no psycopg or PyMySQL exception
   reaches a caller and a deadlock is told apart from an outage.
-* :func:`begin` / :func:`abegin` are ``engine.begin()`` with those errors translated for the
-  connect, ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` only: what the block itself raises (a handler's
-  own error) propagates untouched.
+* :meth:`Transactions.begin` / :func:`abegin` are ``engine.begin()`` with those errors
+  translated for the connect, ``BEGIN``, ``COMMIT`` and ``ROLLBACK`` only: what the block itself
+  raises (a handler's own error) propagates untouched; the sync one keeps the connection of the
+  last transaction for the next.
 * :func:`run` / :func:`arun` carry out a sans-I/O SQL :data:`Plan` (the stores' primitives, the
   business guards) on a connection, one :class:`Step` at a time: a Core statement through
   ``Connection.execute``, a :class:`DriverStatement` (the statements run for every message,
@@ -79,7 +80,6 @@ __all__ = [
     "arun_step",
     "async_engine_from_url",
     "async_url",
-    "begin",
     "check_sqlite_transaction",
     "connection_lost",
     "create_table_once",
@@ -579,28 +579,6 @@ def create_table_once(engine: Engine, table: sa.Table) -> None:
             raise
 
 
-@contextmanager
-def begin(engine: Engine, where: str) -> Iterator[Connection]:
-    """``engine.begin()``: a pooled connection in a transaction that commits when the block ends
-    and rolls back when it raises. A failure to connect, begin, commit or roll back is
-    translated; the block's own exception propagates as it is."""
-    doing = "begin"
-    raised: BaseException | None = None
-    try:
-        with engine.begin() as conn:
-            doing = "commit"
-            try:
-                yield conn
-            except BaseException as body_error:
-                doing, raised = "rollback", body_error
-                raise
-            _check_still_open(conn.in_transaction(), where)
-    except (SQLAlchemyError, OSError, engine.dialect.loaded_dbapi.Error) as error:
-        if error is raised:
-            raise
-        raise translate_db_error(error, f"{doing} on {where}") from error
-
-
 def _check_still_open(in_transaction: bool, where: str) -> None:
     # A block that closed, committed or rolled back the connection itself (a handler calling
     # ``tx.close()``) leaves nothing for this COMMIT: reporting success would claim a dedup row
@@ -621,8 +599,8 @@ _INHERITED: list[Connection] = []
 
 
 class Transactions:
-    """Where a store's own transactions come from: :func:`begin`, with the connection of the
-    last one kept for the next.
+    """Where a store's own transactions come from: ``engine.begin()``, with the connection of
+    the last one kept for the next.
 
     A consumer runs one transaction per message; checking a connection out of SQLAlchemy's
     pool and building a ``Connection`` around it, then closing both, cost 40 to 60 µs of client
@@ -674,9 +652,9 @@ class Transactions:
 
     @contextmanager
     def begin(self, where: str) -> Iterator[Connection]:
-        """A transaction that commits when the block ends and rolls back when it raises, as
-        :func:`begin`: a failure to connect, begin, commit or roll back is translated; the
-        block's own exception propagates as it is."""
+        """A transaction that commits when the block ends and rolls back when it raises. A
+        failure to connect, begin, commit or roll back is translated; the block's own exception
+        propagates as it is."""
         doing = "begin"
         raised: BaseException | None = None
         try:
@@ -713,7 +691,9 @@ class Transactions:
 
 @asynccontextmanager
 async def abegin(engine: AsyncEngine, where: str) -> AsyncIterator[AsyncConnection]:
-    """:func:`begin` for an ``AsyncEngine``."""
+    """:meth:`Transactions.begin` for an ``AsyncEngine``, with no connection kept: SQLAlchemy's
+    asyncio pool warns of, and terminates, a checked-out connection the garbage collector finds,
+    so a store left unclosed would log an error at exit."""
     doing = "begin"
     raised: BaseException | None = None
     try:
@@ -824,7 +804,7 @@ def prepare_sqlite(engine: Engine) -> None:
     def _begin(conn: Connection) -> None:
         # On the DBAPI cursor, not exec_driver_sql: no execution context nor statement events
         # for a statement every transaction sends. SQLAlchemy does not wrap an error raised
-        # here, so begin()/abegin() translate the driver's own error.
+        # here, so Transactions.begin()/abegin() translate the driver's own error.
         cursor = conn.connection.cursor()
         try:
             cursor.execute("BEGIN IMMEDIATE")

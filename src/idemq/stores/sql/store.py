@@ -2,8 +2,10 @@
 
 The store's primitives are the plans of :mod:`idemq.stores.sql.dialects`, carried out through
 :mod:`idemq.drivers.sql`; this module owns which transaction each runs in: the caller's
-(``*_in`` primitives, inside the business transaction) or one of the store's own, a plain
-``engine.begin()`` on SQLAlchemy's pool (lease primitives, inspection). It also holds the base
+(``*_in`` primitives, inside the business transaction) or one of the store's own (lease
+primitives, inspection, and the business transaction when the caller brings no connection),
+begun on SQLAlchemy's pool by :class:`~idemq.drivers.sql.Transactions`, which keeps the last
+one's connection for the next. It also holds the base
 shared with the asyncio twin, :class:`~idemq.stores.sql.store_async.AsyncSqlStore`.
 """
 
