@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.pool import NullPool
 
 import idemq
 from idemq.drivers.redis import is_cluster
@@ -19,6 +21,26 @@ from tests.conftest import (
     require_service,
     unique,
 )
+
+# PostgreSQL and MariaDB by name, for tests that run on both and kill a server session.
+URL = {"postgres": PG_URL, "mariadb": MYSQL_URL}
+SESSION_ID = {"postgres": "SELECT pg_backend_pid()", "mariadb": "SELECT CONNECTION_ID()"}
+KILL = {"postgres": "SELECT pg_terminate_backend({})", "mariadb": "KILL {}"}
+
+
+@pytest.fixture(params=["postgres", "mariadb"])
+def server(request: pytest.FixtureRequest) -> str:
+    """Each SQL server a test of connections runs on: ``"postgres"`` or ``"mariadb"``."""
+    require_service("postgres" if request.param == "postgres" else "mysql")
+    return str(request.param)
+
+
+def kill(server: str, session_id: Any) -> None:
+    """End ``server``'s session ``session_id`` from another connection, as an admin would."""
+    admin = sa.create_engine(URL[server], poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(KILL[server].format(int(session_id)))
+    admin.dispose()
 
 
 class FakeClock:

@@ -4,12 +4,16 @@ A killed server session costs one StoreUnavailableError and nothing is written; 
 reconnects. What a handler does to ``tx`` (closing it, setting execution options) does not leak
 into the next message, and a failed statement does not break the connection for the next one.
 ``close()`` leaves no session open, and a ``NullPool`` none between messages. A forked child
-never uses its parent's connection. SQLite transactions take the write lock at BEGIN.
+never uses its parent's connection. SQLite transactions take the write lock at BEGIN. The
+connection a store keeps between its transactions is one of the pool's, and goes back to it after
+a pause, so the pool's pre-ping still applies.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,17 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 import idemq
-from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
-
-SESSION_ID = {"postgres": "SELECT pg_backend_pid()", "mariadb": "SELECT CONNECTION_ID()"}
-KILL = {"postgres": "SELECT pg_terminate_backend({})", "mariadb": "KILL {}"}
-URL = {"postgres": PG_URL, "mariadb": MYSQL_URL}
-
-
-@pytest.fixture(params=["postgres", "mariadb"])
-def server(request: pytest.FixtureRequest) -> str:
-    require_service("postgres" if request.param == "postgres" else "mysql")
-    return str(request.param)
+from idemq.drivers.sql import KEEP_IDLE_S
+from tests.conftest import PG_URL, require_service, unique
+from tests.contract.conftest import SESSION_ID, URL, kill
 
 
 @pytest.fixture
@@ -55,13 +51,6 @@ def apply(applied: sa.Table, session_ids: list[Any], server: str) -> Any:
         tx.execute(applied.insert().values(message_id=f"m{len(session_ids)}"))
 
     return handler
-
-
-def kill(server: str, session_id: Any) -> None:
-    admin = sa.create_engine(URL[server], poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(KILL[server].format(int(session_id)))
-    admin.dispose()
 
 
 def test_a_killed_session_fails_one_message_and_the_next_reconnects(counted, server):
@@ -209,5 +198,124 @@ def test_sqlite_transactions_take_the_write_lock_at_begin(tmp_path):
                 finally:
                     other.close()
     finally:
+        store.drop_schema()
+        store.close()
+
+
+# -- the connection a store keeps between its transactions (drivers.sql.Transactions) ----------
+# The tests above hold for it too: options a handler set, a closed tx, a killed session, a
+# NullPool and a forked child each send it back to the pool or past it. These cover the rest.
+
+
+def make_store(server: str, **engine_kwargs: Any) -> idemq.SqlStore:
+    store = idemq.SqlStore(URL[server], table=unique("kept"), **engine_kwargs)
+    store.create_schema()
+    return store
+
+
+def session_of(store: idemq.SqlStore, server: str) -> Any:
+    with store.transaction() as tx:
+        return tx.exec_driver_sql(SESSION_ID[server]).scalar_one()
+
+
+def test_messages_one_after_another_check_out_one_connection(server: str) -> None:
+    store = make_store(server)
+    checkouts = [0]
+
+    @sa.event.listens_for(store.engine, "checkout")
+    def _checkout(*_args: Any) -> None:
+        checkouts[0] += 1
+
+    try:
+        guard = idemq.Idempotency(store, consumer="c")
+        sessions = {session_of(store, server) for _ in range(20)}
+        for i in range(20):
+            assert guard.process(f"M{i}", lambda _tx: None).status is idemq.Status.PROCESSED
+        assert checkouts == [1], "the connection of the last transaction serves the next"
+        assert len(sessions) == 1
+    finally:
+        store.drop_schema()
+        store.close()
+
+
+def test_a_kept_connection_idle_too_long_goes_back_to_the_pool_and_its_pre_ping(
+    server: str,
+) -> None:
+    """A consumer that paused meets the pool's ``pool_pre_ping`` as before: the session it
+    kept was killed while it sat unused, and the next message runs on a fresh one."""
+    store = make_store(server, pool_pre_ping=True)
+    try:
+        before = session_of(store, server)
+        kill(server, before)
+        time.sleep(KEEP_IDLE_S + 0.3)
+        guard = idemq.Idempotency(store, consumer="c")
+        assert guard.process("M1", lambda _tx: None).status is idemq.Status.PROCESSED
+        assert session_of(store, server) != before
+    finally:
+        store.drop_schema()
+        store.close()
+
+
+def test_threads_sharing_a_store_stay_within_the_pool(server: str) -> None:
+    """Eight threads on a pool of two: the kept connection is one of the pool's, so threads
+    that find it taken wait for the pool as before, and every message is paid once."""
+    store = make_store(server, pool_size=2, max_overflow=0, pool_timeout=30)
+    opened = [0]
+
+    @sa.event.listens_for(store.engine, "connect")
+    def _connect(*_args: Any) -> None:
+        opened[0] += 1
+
+    paid: list[str] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        guard = idemq.Idempotency(store, consumer="c")
+        for i in range(30):
+            message_id = f"M{i % 10}"  # every thread races for the same ten messages
+
+            def handler(_tx: sa.Connection, message_id: str = message_id) -> None:
+                with lock:
+                    paid.append(message_id)
+
+            guard.process(message_id, handler)
+
+    try:
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert sorted(paid) == [f"M{i}" for i in range(10)]
+        assert opened[0] <= 2
+    finally:
+        store.drop_schema()
+        store.close()
+
+
+def test_a_commit_the_server_refused_leaves_the_next_message_a_working_one() -> None:
+    """PostgreSQL checks a deferred constraint at COMMIT: the refused COMMIT raises, and the
+    connection it leaves behind must not carry that transaction into the next message."""
+    require_service("postgres")
+    store = make_store("postgres")
+    table = unique("deferred")
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"CREATE TABLE {table} (id INT, CONSTRAINT {table}_u UNIQUE (id) "
+            "DEFERRABLE INITIALLY DEFERRED)"
+        )
+    guard = idemq.Idempotency(store, consumer="c")
+
+    def insert_twice(tx: sa.Connection) -> None:
+        tx.exec_driver_sql(f"INSERT INTO {table} VALUES (1), (1)")
+
+    try:
+        with pytest.raises(idemq.StoreError):
+            guard.process("M1", insert_twice)
+        assert guard.process("M1", lambda _tx: None).status is idemq.Status.PROCESSED
+        assert guard.process("M2", lambda _tx: None).status is idemq.Status.PROCESSED
+    finally:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE {table}")
         store.drop_schema()
         store.close()

@@ -24,17 +24,8 @@ import idemq
 from idemq.drivers.sql import translate_db_error
 from idemq.guard.core import Policy
 from idemq.stores.base import ClaimRequest
-from tests.conftest import MYSQL_URL, PG_URL, require_service, unique
-
-URL = {"postgres": PG_URL, "mariadb": MYSQL_URL}
-SESSION_ID = {"postgres": "SELECT pg_backend_pid()", "mariadb": "SELECT CONNECTION_ID()"}
-KILL = {"postgres": "SELECT pg_terminate_backend({})", "mariadb": "KILL {}"}
-
-
-@pytest.fixture(params=["postgres", "mariadb"])
-def server(request: pytest.FixtureRequest) -> str:
-    require_service("postgres" if request.param == "postgres" else "mysql")
-    return str(request.param)
+from tests.conftest import require_service, unique
+from tests.contract.conftest import SESSION_ID, URL, kill
 
 
 @pytest.fixture
@@ -60,10 +51,7 @@ def test_a_session_killed_mid_transaction_is_invalidated_and_the_next_message_re
     def claim_on_a_killed_session() -> None:
         with store.transaction() as tx:
             killed.append(tx.exec_driver_sql(SESSION_ID[server]).scalar())
-            admin = sa.create_engine(URL[server])
-            with admin.connect() as conn:
-                conn.exec_driver_sql(KILL[server].format(int(killed[0])))
-            admin.dispose()
+            kill(server, killed[0])
             try:
                 store.claim_in(tx, request_for("M1"))
             finally:
