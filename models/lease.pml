@@ -5,7 +5,8 @@
  *   src/idemq/guard/flow.py  message_flow, Claim, Complete, Release, release_noting_failure
  *   src/idemq/guard/flow.py  RunHandler: the handler runs with its claim kept (LeaseTerms)
  *   src/idemq/guard/core.py  judge: lost claim -> DUPLICATE / IN_PROGRESS / mismatch
- *   src/idemq/guard/renewal.py  LeaseKeeper.keeping, LeaseKeeper._renew_once, _answered, _overdue
+ *   src/idemq/guard/renewal.py  LeaseKeeper.keep, LeaseKeeper.stop, LeaseKeeper._renew_once,
+ *                               _answered, _overdue
  *   src/idemq/guard/idempotency.py  Idempotency._execute: the claim kept (LeaseKeeper.keep) while
  *                                   its handler runs, stopped (LeaseKeeper.stop) in its finally
  *   src/idemq/stores/redis/ops.py  claim, claim_set, _judge_stored: SET NX GET first, on the

@@ -8,7 +8,7 @@
  *                                   LeaseKeeper.keep and LeaseKeeper.stop around each handler)
  *   src/idemq/guard/batch_flow.py  batch_flow, _handle_leased
  *   src/idemq/guard/flow.py  ClaimMany, Renew, run_handler, Complete, RunHandler
- *   src/idemq/guard/renewal.py  LeaseKeeper.keeping, LeaseKeeper._renew_once, LeaseTerms
+ *   src/idemq/guard/renewal.py  LeaseKeeper.keep, LeaseKeeper.stop, LeaseKeeper._renew_once, LeaseTerms
  *   src/idemq/guard/core.py  judge
  *   src/idemq/stores/sql/store.py  SqlStore.claim_many, SqlStore.renew, SqlStore.complete
  *   src/idemq/stores/sql/plans.py  SqlPlans.claim_many, SqlPlans.renew, SqlPlans.complete

@@ -160,27 +160,14 @@ class LeaseKeeper:
     # due no sooner need not wake it, so a stream of short handlers costs no thread switch each.
     _wakes_at: float = 0.0
 
-    @contextmanager
-    def keeping(self, terms: LeaseTerms, context: HandlerContext) -> Iterator[None]:
-        """Renew ``terms``' claim until the block ends; ``context`` hears if it is lost."""
-        kept = self.keep(terms, context)
-        try:
-            yield
-        finally:
-            self.stop(kept)
-
     def keep(self, terms: LeaseTerms, context: HandlerContext) -> Kept:
-        """Renew ``terms``' claim from now until :meth:`stop` (``context`` hears if it is lost):
-        :meth:`keeping` without a context manager, for the guard's hot path, which calls
-        ``stop`` in its own ``finally``."""
+        """Renew ``terms``' claim from now until :meth:`stop` (``context`` hears if it is lost);
+        the guard calls ``stop`` in the ``finally`` around the handler."""
         return self._add(terms, context)
 
     def stop(self, kept: Kept) -> None:
         """Stop renewing a claim :meth:`keep` returned."""
-        with self._cond:
-            self._kept.discard(kept)
-            if not self._kept:
-                self._idle_since = self.monotonic()
+        self._discard((kept,))
 
     @contextmanager
     def holding(self) -> Iterator[Holding]:
@@ -227,7 +214,7 @@ class LeaseKeeper:
                 if not due:
                     self._wait_until(max(self._next_wake(now), now + 0.001), now)
                     continue
-            for kept in due:  # outside the lock: starting a thread must not block keeping()
+            for kept in due:  # outside the lock: starting a thread must not block keep()
                 threading.Thread(
                     target=self._renew_once, args=(kept,), name="idemq-lease-renewal", daemon=True
                 ).start()
